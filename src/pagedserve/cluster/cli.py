@@ -1,0 +1,106 @@
+"""CLI of the cluster tier: `pagedserve router`, `pagedserve cluster up`, `pagedserve bench routing`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    """Adds this tier's subcommands."""
+    from pagedserve.cluster.cluster_config import add_router_args
+    from pagedserve.config import add_engine_args
+
+    router = sub.add_parser(
+        "router", help="OpenAI-compatible router in front of pagedserve replicas",
+        description="Proxies the OpenAI API to N `pagedserve serve` replicas, choosing one per request by "
+                    "policy, region and data residency (header x-residency: eu keeps a request on replicas "
+                    "tagged eu), with health probes and failover. Its own /health, /v1/models, /metrics.")
+    router.add_argument("--replica", action="append", metavar="URL[,name=N][,region=R][,tags=T1:T2]",
+                        help="a replica (repeatable), e.g. http://10.0.0.5:8000,region=eu-west,tags=eu")
+    router.add_argument("--config", dest="cluster_config", type=Path, default=None,
+                        help="cluster YAML: replicas (url, name, region, tags), rtt_ms matrix, policy, "
+                             "health and timeout settings (see ClusterConfig)")
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    router.add_argument("--port", type=int, default=8080, help="port to listen on")
+    add_router_args(router)
+    router.set_defaults(func=run_router)
+
+    cluster = sub.add_parser("cluster", help="start replicas and a router together")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    up = cluster_sub.add_parser(
+        "up", help="start N replicas and the router in front of them; Ctrl-C or SIGTERM stops all",
+        description="Starts N `pagedserve serve` replicas (local processes, or Ray actors with --backend ray) "
+                    "and runs the router on --host/--port until interrupted. Engine flags go to every replica.")
+    up.add_argument("--replicas", type=int, default=2, help="number of replicas")
+    up.add_argument("--backend", choices=["local", "ray"], default="local",
+                    help="local processes, or actors on a Ray cluster")
+    up.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start one locally)")
+    up.add_argument("--replica-cpus", type=float, default=None,
+                    help="Ray CPUs reserved per replica (default: cores / (replicas + 1), fractions allowed)")
+    up.add_argument("--host", default="127.0.0.1", help="router address")
+    up.add_argument("--port", type=int, default=8080, help="router port")
+    up.add_argument("--log-dir", type=Path, default=None, help="replica logs (default: a temp folder)")
+    add_router_args(up)
+    add_engine_args(up)
+    up.set_defaults(func=run_cluster_up)
+
+    routing = bench.add_parser("routing", add_help=False,
+                               help="routing policies over 4 replicas (and a labelled simulation mode)")
+    routing.add_argument("bench_args", nargs=argparse.REMAINDER)
+    routing.set_defaults(func=run_bench_routing)
+
+
+def serve_router(config, host: str, port: int) -> None:
+    import uvicorn
+
+    from pagedserve.cluster.app import create_app
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is too many
+    log.info("router on http://%s:%d (policy %s, %d replicas)", host, port, config.policy, len(config.replicas))
+    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from pagedserve.cluster.cluster_config import config_from_args
+
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"pagedserve router: {exc}", file=sys.stderr)
+        return 2
+    serve_router(config, args.host, args.port)
+    return 0
+
+
+def run_cluster_up(args: argparse.Namespace) -> int:
+    from pagedserve.cluster.cluster_config import ReplicaSpec, config_from_args
+    from pagedserve.cluster.launcher import LocalCluster, engine_flags, threads_per_replica
+    from pagedserve.config import EngineConfig
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanup runs even while replicas start
+    engine = EngineConfig.from_args(args)
+    if engine.num_threads is None:
+        engine.num_threads = threads_per_replica(args.replicas)
+    serve_args = engine_flags(engine)
+    if args.backend == "ray":
+        from pagedserve.cluster.ray_launcher import RayCluster
+        cluster = RayCluster(args.replicas, serve_args, address=args.ray_address, replica_cpus=args.replica_cpus)
+    else:
+        cluster = LocalCluster(args.replicas, serve_args, log_dir=args.log_dir)
+    with cluster:
+        specs = [ReplicaSpec(url=url, name=f"replica-{i}") for i, url in enumerate(cluster.urls())]
+        serve_router(config_from_args(args, specs), args.host, args.port)
+    return 0
+
+
+def run_bench_routing(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "routing.py"
+    sys.argv = [str(script), *args.bench_args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0

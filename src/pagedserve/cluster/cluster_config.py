@@ -1,0 +1,118 @@
+"""Router configuration: the replicas (with region and residency tags), the RTT matrix, the policy and
+its knobs. Comes from a YAML file (`--config cluster.yaml`), `--replica` flags, or both."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+
+@dataclass(slots=True)
+class ReplicaSpec:
+    url: str
+    name: str = ""
+    region: str = "local"
+    tags: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> ReplicaSpec:
+        """'URL[,name=N][,region=R][,tags=eu:gdpr]' -> spec."""
+        url, *options = text.split(",")
+        spec = cls(url=url.rstrip("/"))
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "name":
+                spec.name = value
+            elif key == "region":
+                spec.region = value
+            elif key == "tags":
+                spec.tags = tuple(t for t in value.split(":") if t)
+            else:
+                raise ValueError(f"unknown replica option {key!r} in {text!r} (use name=, region=, tags=)")
+        return spec
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    replicas: list[ReplicaSpec] = field(default_factory=list)
+    policy: str = "prefix_affinity"
+    region: str = "local"  # the router's own region: the client region when a request names none
+    rtt_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # client region -> replica region
+    default_rtt_ms: float = 100.0  # between two different regions missing from rtt_ms
+    region_slack_ms: float = 25.0  # replicas this close to the nearest one count as equally near
+    spill_inflight: int = 16  # when every near replica has this many requests in flight, use farther ones
+    cache_threshold: float = 0.5
+    balance_abs: int = 8
+    balance_rel: float = 1.5
+    max_index_size: int = 400_000  # per replica, in prefix-index units (characters or token ids)
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    unhealthy_threshold: int = 2  # failed probes before ejection
+    healthy_threshold: int = 1  # good probes before re-admission
+    passive_failures: int = 3  # consecutive request timeouts / 5xx before ejection
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0  # whole non-streamed answer
+    stream_idle_timeout_s: float = 120.0  # gap between two chunks of a stream
+    max_attempts: int = 3
+    session_header: str = "x-session-id"
+    residency_header: str = "x-residency"
+    client_region_header: str = "x-client-region"
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> ClusterConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+        replicas = [ReplicaSpec.parse(r) if isinstance(r, str) else
+                    ReplicaSpec(url=r["url"].rstrip("/"), name=r.get("name", ""),
+                                region=r.get("region", "local"), tags=tuple(r.get("tags", ())))
+                    for r in data.pop("replicas", [])]
+        return cls(replicas=replicas, **data)
+
+    def finalize(self) -> ClusterConfig:
+        """Names unnamed replicas and checks what a typo could break."""
+        if not self.replicas:
+            raise ValueError("no replicas: give --replica URL (repeatable) or a --config file with replicas")
+        for i, spec in enumerate(self.replicas):
+            spec.name = spec.name or f"replica-{i}"
+        names = [s.name for s in self.replicas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica names must be unique: {names}")
+        return self
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    d = ClusterConfig()
+    parser.add_argument("--policy", default=None,
+                        choices=["round_robin", "least_load", "prefix_affinity", "session_affinity"],
+                        help=f"how to pick a replica (default {d.policy})")
+    parser.add_argument("--router-region", dest="region", default=None,
+                        help="the router's region, used for requests without an x-client-region header")
+    parser.add_argument("--cache-threshold", type=float, default=None,
+                        help=f"prefix_affinity: smallest matched fraction of the prompt (default {d.cache_threshold})")
+    parser.add_argument("--balance-abs", type=int, default=None,
+                        help=f"prefix_affinity: in-flight gap that switches to least load (default {d.balance_abs})")
+    parser.add_argument("--balance-rel", type=float, default=None,
+                        help=f"prefix_affinity: and load ratio that does (default {d.balance_rel})")
+    parser.add_argument("--health-interval", dest="health_interval_s", type=float, default=None,
+                        help=f"seconds between active /health probes (default {d.health_interval_s})")
+    parser.add_argument("--max-attempts", type=int, default=None,
+                        help=f"replicas tried per request before giving up (default {d.max_attempts})")
+
+
+def config_from_args(args: argparse.Namespace, replicas: list[ReplicaSpec] | None = None) -> ClusterConfig:
+    """--config file, then --replica flags (added to the file's), then single flags over both."""
+    config = ClusterConfig.from_yaml(args.cluster_config) if getattr(args, "cluster_config", None) \
+        else ClusterConfig()
+    config.replicas += [ReplicaSpec.parse(r) for r in getattr(args, "replica", None) or []]
+    config.replicas += replicas or []
+    for name in ("policy", "region", "cache_threshold", "balance_abs", "balance_rel", "health_interval_s",
+                 "max_attempts"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(config, name, value)
+    return config.finalize()

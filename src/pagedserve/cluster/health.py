@@ -1,0 +1,102 @@
+"""Replica health: active /health probes, passive ejection on request failures, re-admission.
+
+A replica leaves rotation after `unhealthy_threshold` failed probes, at once when a request cannot
+connect or its connection breaks (the process is most likely gone), or after `passive_failures`
+consecutive timeouts / 5xx answers. Ejected replicas keep being probed and come back after
+`healthy_threshold` good probes; their prefix-cache estimate is dropped, since a restarted replica
+starts cold.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+
+from pagedserve.cluster.replica import Replica
+
+log = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(self, replicas: list[Replica], client: httpx.AsyncClient, *, interval_s: float,
+                 timeout_s: float, unhealthy_threshold: int, healthy_threshold: int, passive_failures: int,
+                 on_eject: Callable[[Replica, str], None], on_readmit: Callable[[Replica], None]) -> None:
+        self.replicas = replicas
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.unhealthy_threshold = unhealthy_threshold
+        self.healthy_threshold = healthy_threshold
+        self.passive_failures = passive_failures
+        self.on_eject = on_eject
+        self.on_readmit = on_readmit
+        self._passive: dict[str, int] = {}
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in self.replicas))
+
+    async def probe(self, replica: Replica) -> None:
+        start = time.perf_counter()
+        try:
+            response = await self.client.get(replica.url + "/health", timeout=self.timeout_s)
+            ok, reason = response.status_code == 200, f"/health answered {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, reason = False, f"/health failed: {type(exc).__name__} {exc}".strip()
+        if ok:
+            replica.observe_latency((time.perf_counter() - start) * 1000)
+            if not replica.models:
+                await self._load_models(replica)
+            self._probe_succeeded(replica)
+        else:
+            self._probe_failed(replica, reason)
+
+    async def _load_models(self, replica: Replica) -> None:
+        try:
+            response = await self.client.get(replica.url + "/v1/models", timeout=self.timeout_s)
+            replica.models = [m["id"] for m in response.json().get("data", [])]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            replica.models = []
+
+    def _probe_succeeded(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+        replica.consecutive_successes += 1
+        if not replica.healthy and replica.consecutive_successes >= self.healthy_threshold:
+            replica.healthy = True
+            replica.ejected_reason = ""
+            self._passive[replica.name] = 0
+            log.info("replica %s (%s) is healthy: in rotation", replica.name, replica.url)
+            self.on_readmit(replica)
+
+    def _probe_failed(self, replica: Replica, reason: str) -> None:
+        replica.consecutive_successes = 0
+        replica.consecutive_failures += 1
+        if replica.healthy and replica.consecutive_failures >= self.unhealthy_threshold:
+            self.eject(replica, reason, "active")
+        elif not replica.healthy:
+            replica.ejected_reason = reason
+
+    def request_failed(self, replica: Replica, reason: str, fatal: bool) -> None:
+        """Passive signal from a proxied request; `fatal` for broken connections."""
+        count = self._passive.get(replica.name, 0) + 1
+        self._passive[replica.name] = count
+        if replica.healthy and (fatal or count >= self.passive_failures):
+            self.eject(replica, reason, "passive")
+
+    def request_succeeded(self, replica: Replica) -> None:
+        self._passive[replica.name] = 0
+
+    def eject(self, replica: Replica, reason: str, source: str) -> None:
+        replica.healthy = False
+        replica.ejected_reason = reason
+        replica.consecutive_successes = 0
+        replica.models = []
+        log.warning("replica %s (%s) ejected (%s): %s", replica.name, replica.url, source, reason)
+        self.on_eject(replica, source)

@@ -1,0 +1,48 @@
+"""Regions and data residency: which replicas a request may use, and which of those are near.
+
+Residency is a hard filter applied before any policy and on every retry; latency (the configured RTT
+from the client's region plus the replica's measured latency) only orders what residency allows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.cluster.replica import Replica
+
+
+def parse_residency(value: str | None) -> frozenset[str]:
+    """'eu' or 'eu,gdpr' -> tags a replica must all carry; empty means no constraint."""
+    return frozenset(t.strip().lower() for t in (value or "").split(",") if t.strip())
+
+
+def allowed_by_residency(replica: Replica, residency: frozenset[str]) -> bool:
+    return residency <= replica.tags
+
+
+@dataclass(slots=True)
+class RegionMap:
+    rtt_ms: dict[str, dict[str, float]]
+    default_rtt_ms: float = 100.0
+    slack_ms: float = 25.0
+    spill_inflight: int = 16
+
+    def rtt(self, client_region: str, replica_region: str) -> float:
+        row = self.rtt_ms.get(client_region, {})
+        if replica_region in row:
+            return float(row[replica_region])
+        back = self.rtt_ms.get(replica_region, {})
+        if client_region in back:
+            return float(back[client_region])
+        return 0.0 if client_region == replica_region else self.default_rtt_ms
+
+    def estimated_latency(self, client_region: str, replica: Replica) -> float:
+        return self.rtt(client_region, replica.region) + (replica.latency_ms or 0.0)
+
+    def nearest(self, client_region: str, candidates: list[Replica]) -> list[Replica]:
+        """The replicas within slack of the nearest one; all candidates when every near one is saturated."""
+        latency = {r.name: self.estimated_latency(client_region, r) for r in candidates}
+        best = min(latency.values())
+        near = [r for r in candidates if latency[r.name] <= best + self.slack_ms]
+        if all(r.inflight_requests >= self.spill_inflight for r in near):
+            return candidates
+        return near
