@@ -1,0 +1,207 @@
+"""Gateway configuration: its own YAML schema (providers, routes, budgets, cache), not the engine flags.
+
+```yaml
+listen: {host: 127.0.0.1, port: 4000}
+admin_key_env: PAGEDSERVE_ADMIN_KEY      # or admin_key: literal
+store: sqlite                            # or redis://127.0.0.1:6379/0 (shared by many instances)
+data_dir: gateway-data                   # relative to this file: SQLite state, traces, cache, classifier
+timezone: Europe/Berlin                  # day boundary of the daily budgets
+budgets: {user_daily_usd: 2.0, users: {alice: 5.0}}
+providers:
+  primary:
+    base_url: http://127.0.0.1:8001/v1
+    timeout_s: 20
+    models:                              # gateway model alias -> upstream name and $ per million tokens
+      small: {name: SmolLM2-135M-Instruct, input: 0.10, output: 0.40, cached_input: 0.05}
+routes:
+  hr-assistant:                          # the `model` clients ask for
+    small: [primary/small, fallback/small]
+    large: [primary/large, fallback/large]
+    sources: [hr-policy]                 # knowledge sources whose versions cached answers depend on
+```
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import yaml
+
+
+@dataclass(slots=True)
+class ModelPrice:
+    name: str  # the model name the provider knows
+    input: float = 0.0  # $ per million prompt tokens
+    output: float = 0.0  # $ per million completion tokens
+    cached_input: float | None = None  # $ per million cached prompt tokens; None: same as input
+
+    def cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
+        cached_price = self.input if self.cached_input is None else self.cached_input
+        fresh = max(prompt_tokens - cached_tokens, 0)
+        return (fresh * self.input + cached_tokens * cached_price + completion_tokens * self.output) / 1e6
+
+
+@dataclass(slots=True)
+class ProviderConfig:
+    name: str
+    base_url: str
+    models: dict[str, ModelPrice]
+    api_key: str | None = None
+    timeout_s: float = 20.0  # deadline over connect + first token + whole body
+
+
+@dataclass(slots=True)
+class Target:
+    """One entry of a route's ordered list: a provider and the model alias to ask it for."""
+    provider: str
+    model: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.provider}/{self.model}"
+
+
+@dataclass(slots=True)
+class RouteConfig:
+    name: str
+    small: list[Target]
+    large: list[Target] = field(default_factory=list)  # empty: no difficulty routing
+    sources: list[str] = field(default_factory=list)
+    cache_threshold: float | None = None  # None: the global one
+    cache_ttl_s: float | None = None
+    hard_threshold: float = 0.5  # classifier probability of "hard" at or above which the large tier is used
+
+    def tier(self, name: str) -> list[Target]:
+        return self.large if name == "large" and self.large else self.small
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    enabled: bool = True
+    threshold: float = 0.95
+    ttl_s: float = 7 * 86400
+    scope: str = "team"  # team | user | key: who may see whose cached answers
+    deterministic_only: bool = True
+
+
+@dataclass(slots=True)
+class RetryConfig:
+    attempts_per_provider: int = 2  # the first call plus one retry
+    backoff_s: float = 0.25  # jittered between 0.5x and 1.5x
+    request_deadline_s: float = 60.0  # over all attempts of one request
+
+
+@dataclass(slots=True)
+class BreakerConfig:
+    failure_threshold: int = 5  # consecutive failed attempts that open the breaker
+    reset_s: float = 30.0  # how long it stays open before one probe is let through
+
+
+@dataclass(slots=True)
+class BudgetConfig:
+    user_daily_usd: float | None = None  # None: no per-user budget
+    users: dict[str, float] = field(default_factory=dict)
+
+    def for_user(self, user: str) -> float | None:
+        return self.users.get(user, self.user_daily_usd)
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    providers: dict[str, ProviderConfig]
+    routes: dict[str, RouteConfig]
+    host: str = "127.0.0.1"
+    port: int = 4000
+    admin_key: str | None = None
+    store: str = "sqlite"
+    data_dir: Path = Path("gateway-data")
+    timezone: str = "UTC"
+    budgets: BudgetConfig = field(default_factory=BudgetConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 256  # used for estimates when a request does not say
+    otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
+    embed_threads: int = 1  # torch threads for query embeddings (one short query at a time)
+
+    @property
+    def tz(self) -> ZoneInfo:
+        return ZoneInfo(self.timezone)
+
+    @property
+    def sqlite_path(self) -> Path:
+        return self.data_dir / "gateway.db"
+
+    def target_price(self, target: Target) -> ModelPrice:
+        return self.providers[target.provider].models[target.model]
+
+    @classmethod
+    def load(cls, path: str | Path) -> GatewayConfig:
+        path = Path(path)
+        return cls.from_dict(yaml.safe_load(path.read_text()) or {}, base_dir=path.parent)
+
+    @classmethod
+    def from_dict(cls, data: dict, base_dir: Path = Path(".")) -> GatewayConfig:
+        data = dict(data)
+        providers = {n: _provider(n, p) for n, p in (data.pop("providers", None) or {}).items()}
+        routes = {n: _route(n, r) for n, r in (data.pop("routes", None) or {}).items()}
+        listen = data.pop("listen", None) or {}
+        admin_env = data.pop("admin_key_env", None)
+        admin_key = data.pop("admin_key", None) or (os.environ.get(admin_env) if admin_env else None)
+        config = cls(
+            providers=providers, routes=routes, admin_key=admin_key,
+            host=listen.get("host", "127.0.0.1"), port=int(listen.get("port", 4000)),
+            data_dir=base_dir / data.pop("data_dir", "gateway-data"),
+            budgets=BudgetConfig(**(data.pop("budgets", None) or {})),
+            cache=CacheConfig(**(data.pop("cache", None) or {})),
+            retry=RetryConfig(**(data.pop("retry", None) or {})),
+            breaker=BreakerConfig(**(data.pop("breaker", None) or {})),
+            **data,
+        )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if not self.routes:
+            raise ValueError("gateway config: define at least one route")
+        ZoneInfo(self.timezone)  # raises for an unknown zone
+        for route in self.routes.values():
+            for target in route.small + route.large:
+                provider = self.providers.get(target.provider)
+                if provider is None:
+                    raise ValueError(f"route {route.name!r}: unknown provider {target.provider!r}")
+                if target.model not in provider.models:
+                    raise ValueError(f"route {route.name!r}: provider {target.provider!r} has no model "
+                                     f"{target.model!r} (it has {sorted(provider.models)})")
+            if not route.small:
+                raise ValueError(f"route {route.name!r}: 'small' needs at least one provider/model")
+
+
+def _provider(name: str, data: dict) -> ProviderConfig:
+    models = {}
+    for alias, spec in (data.get("models") or {}).items():
+        models[alias] = ModelPrice(name=spec) if isinstance(spec, str) else ModelPrice(**spec)
+    if not models:
+        raise ValueError(f"provider {name!r}: list at least one model under 'models'")
+    api_key = data.get("api_key") or (os.environ.get(data["api_key_env"]) if data.get("api_key_env") else None)
+    return ProviderConfig(name=name, base_url=data["base_url"].rstrip("/"), models=models, api_key=api_key,
+                          timeout_s=float(data.get("timeout_s", 20.0)))
+
+
+def _targets(specs: list[str] | None) -> list[Target]:
+    targets = []
+    for spec in specs or []:
+        provider, _, model = spec.partition("/")
+        if not model:
+            raise ValueError(f"route target {spec!r} must be 'provider/model'")
+        targets.append(Target(provider, model))
+    return targets
+
+
+def _route(name: str, data: dict) -> RouteConfig:
+    data = dict(data)
+    small, large = _targets(data.pop("small", None)), _targets(data.pop("large", None))
+    return RouteConfig(name=name, small=small, large=large, **data)

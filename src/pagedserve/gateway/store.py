@@ -1,0 +1,363 @@
+"""Gateway state: keys, rate-limit buckets, daily spend and knowledge-source versions.
+
+SQLiteStore (default) keeps one instance's state in a WAL file that survives a restart or a crash of
+the process. RedisStore lets many gateway instances share it: every check-and-update is one Lua script,
+so N instances enforce one limit, not N. Money is kept as integer nanodollars so sums never drift.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.gateway.auth import ApiKey
+
+NANO = 10**9  # nanodollars per dollar
+
+
+@dataclass(slots=True)
+class Bucket:
+    """A token bucket: `capacity` units, refilled at capacity per `period_s`."""
+    name: str
+    capacity: float
+    cost: float
+    period_s: float = 60.0
+
+    @property
+    def rate(self) -> float:
+        return self.capacity / self.period_s
+
+
+@dataclass(slots=True)
+class TakeResult:
+    allowed: bool
+    retry_after_s: float  # 0 when allowed
+    levels: list[float]  # what is left in each bucket afterwards
+
+
+@dataclass(slots=True)
+class ReserveResult:
+    allowed: bool
+    spent: list[int]  # nanodollars spent per scope before this reservation
+    failed_index: int | None = None  # the scope whose limit would be crossed
+
+
+def to_nano(dollars: float) -> int:
+    return round(dollars * NANO)
+
+
+def next_version(current: str | None) -> str:
+    return str(int(current) + 1) if current and current.isdigit() else "1"
+
+
+class SQLiteStore:
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA busy_timeout=5000")
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed write survives a process crash
+        self.db.executescript(SQLITE_SCHEMA)
+
+    def _txn(self, fn: Callable[[sqlite3.Connection], object]) -> object:
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(self.db)
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+            return result
+
+    async def close(self) -> None:
+        self.db.close()
+
+    async def put_key(self, key: ApiKey) -> None:
+        self._txn(lambda db: db.execute(
+            "INSERT OR REPLACE INTO keys(key_id, key_hash, data) VALUES (?, ?, ?)",
+            (key.key_id, key.key_hash, json.dumps(key.to_dict()))))
+
+    async def key_by_hash(self, key_hash: str) -> ApiKey | None:
+        with self.lock:
+            row = self.db.execute("SELECT data FROM keys WHERE key_hash = ?", (key_hash,)).fetchone()
+        return ApiKey(**json.loads(row[0])) if row else None
+
+    async def revoke_key(self, key_id: str) -> bool:
+        def revoke(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT data FROM keys WHERE key_id = ?", (key_id,)).fetchone()
+            if row is None:
+                return False
+            data = json.loads(row[0])
+            data["revoked_at"] = data["revoked_at"] or self.clock()
+            db.execute("UPDATE keys SET data = ? WHERE key_id = ?", (json.dumps(data), key_id))
+            return True
+        return bool(self._txn(revoke))
+
+    async def list_keys(self) -> list[ApiKey]:
+        with self.lock:
+            rows = self.db.execute("SELECT data FROM keys ORDER BY rowid").fetchall()
+        return [ApiKey(**json.loads(r[0])) for r in rows]
+
+    async def take(self, buckets: list[Bucket]) -> TakeResult:
+        """Takes every bucket's cost, or none of them when any bucket is short."""
+        def take(db: sqlite3.Connection) -> TakeResult:
+            now = self.clock()
+            levels = [self._level(db, b, now) for b in buckets]
+            wait = max([(b.cost - lv) / b.rate for b, lv in zip(buckets, levels) if lv < b.cost], default=0.0)
+            allowed = wait == 0.0
+            if allowed:
+                levels = [lv - b.cost for b, lv in zip(buckets, levels)]
+            for b, lv in zip(buckets, levels):
+                db.execute("INSERT OR REPLACE INTO buckets(name, level, ts) VALUES (?, ?, ?)", (b.name, lv, now))
+            return TakeResult(allowed, wait, levels)
+        return self._txn(take)
+
+    async def give_back(self, bucket: Bucket, amount: float) -> None:
+        """Returns (or, when negative, charges more of) a bucket, e.g. once a request's real usage is known."""
+        def give(db: sqlite3.Connection) -> None:
+            now = self.clock()
+            level = min(bucket.capacity, self._level(db, bucket, now) + amount)
+            db.execute("INSERT OR REPLACE INTO buckets(name, level, ts) VALUES (?, ?, ?)", (bucket.name, level, now))
+        self._txn(give)
+
+    @staticmethod
+    def _level(db: sqlite3.Connection, bucket: Bucket, now: float) -> float:
+        row = db.execute("SELECT level, ts FROM buckets WHERE name = ?", (bucket.name,)).fetchone()
+        if row is None:
+            return bucket.capacity
+        return min(bucket.capacity, row[0] + max(0.0, now - row[1]) * bucket.rate)
+
+    async def reserve(self, day: str, scopes: list[str], limits: list[int | None], amount: int) -> ReserveResult:
+        """Adds `amount` to every scope's spend for `day` unless that would cross one of the limits."""
+        def reserve(db: sqlite3.Connection) -> ReserveResult:
+            spent = [self._spent(db, day, s) for s in scopes]
+            for i, (s, limit) in enumerate(zip(spent, limits)):
+                if limit is not None and s + amount > limit:
+                    return ReserveResult(False, spent, i)
+            for scope in scopes:
+                self._add(db, day, scope, amount)
+            return ReserveResult(True, spent)
+        return self._txn(reserve)
+
+    async def add_spend(self, day: str, scopes: list[str], amount: int) -> None:
+        self._txn(lambda db: [self._add(db, day, s, amount) for s in scopes])
+
+    async def usage(self, day: str | None = None) -> list[tuple[str, str, int]]:
+        """(day, scope, nanodollars) rows, newest day first."""
+        sql = "SELECT day, scope, nanos FROM spend" + (" WHERE day = ?" if day else "") + " ORDER BY day DESC, scope"
+        with self.lock:
+            return [tuple(r) for r in self.db.execute(sql, (day,) if day else ()).fetchall()]
+
+    @staticmethod
+    def _spent(db: sqlite3.Connection, day: str, scope: str) -> int:
+        row = db.execute("SELECT nanos FROM spend WHERE day = ? AND scope = ?", (day, scope)).fetchone()
+        return row[0] if row else 0
+
+    @staticmethod
+    def _add(db: sqlite3.Connection, day: str, scope: str, amount: int) -> None:
+        db.execute("INSERT INTO spend(day, scope, nanos) VALUES (?, ?, ?) "
+                    "ON CONFLICT(day, scope) DO UPDATE SET nanos = nanos + excluded.nanos", (day, scope, amount))
+
+    async def source_versions(self, names: list[str]) -> dict[str, str]:
+        with self.lock:
+            rows = dict(self.db.execute("SELECT name, version FROM sources").fetchall())
+        return {n: rows.get(n, "0") for n in names}
+
+    async def bump_source(self, name: str, version: str | None = None) -> str:
+        def bump(db: sqlite3.Connection) -> str:
+            row = db.execute("SELECT version FROM sources WHERE name = ?", (name,)).fetchone()
+            new = version or next_version(row[0] if row else None)
+            db.execute("INSERT OR REPLACE INTO sources(name, version, updated_at) VALUES (?, ?, ?)",
+                       (name, new, self.clock()))
+            return new
+        return self._txn(bump)
+
+    async def list_sources(self) -> dict[str, dict]:
+        with self.lock:
+            rows = self.db.execute("SELECT name, version, updated_at FROM sources ORDER BY name").fetchall()
+        return {n: {"version": v, "updated_at": t} for n, v, t in rows}
+
+
+SQLITE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS keys (key_id TEXT PRIMARY KEY, key_hash TEXT UNIQUE NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS buckets (name TEXT PRIMARY KEY, level REAL NOT NULL, ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS spend (day TEXT NOT NULL, scope TEXT NOT NULL, nanos INTEGER NOT NULL,
+                                  PRIMARY KEY (day, scope));
+CREATE TABLE IF NOT EXISTS sources (name TEXT PRIMARY KEY, version TEXT NOT NULL, updated_at REAL NOT NULL);
+"""
+
+# KEYS: bucket keys. ARGV: capacity, rate, cost for each bucket. Uses the Redis clock so instances agree.
+TAKE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local levels, wait = {}, 0
+for i, key in ipairs(KEYS) do
+  local cap, rate, cost = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i])
+  local s = redis.call('HMGET', key, 'level', 'ts')
+  local level = math.min(cap, (tonumber(s[1]) or cap) + math.max(0, now - (tonumber(s[2]) or now)) * rate)
+  levels[i] = level
+  if level < cost then wait = math.max(wait, (cost - level) / rate) end
+end
+local out = {wait == 0 and 1 or 0, tostring(wait)}
+for i, key in ipairs(KEYS) do
+  local cap, rate, cost = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i])
+  local level = levels[i]
+  if wait == 0 then level = level - cost end
+  redis.call('HSET', key, 'level', tostring(level), 'ts', tostring(now))
+  redis.call('EXPIRE', key, math.ceil((cap - level) / rate) + 60)
+  out[#out + 1] = tostring(level)
+end
+return out
+"""
+
+# KEYS[1]: bucket key. ARGV: capacity, rate, amount (negative charges more).
+GIVE_BACK_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local cap, rate, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local s = redis.call('HMGET', KEYS[1], 'level', 'ts')
+local level = math.min(cap, (tonumber(s[1]) or cap) + math.max(0, now - (tonumber(s[2]) or now)) * rate)
+level = math.min(cap, level + amount)
+redis.call('HSET', KEYS[1], 'level', tostring(level), 'ts', tostring(now))
+redis.call('EXPIRE', KEYS[1], math.ceil((cap - level) / rate) + 60)
+return tostring(level)
+"""
+
+# KEYS[1]: the day's spend hash. ARGV: amount, ttl, then scope and limit pairs (limit -1: none).
+RESERVE_LUA = """
+local amount = tonumber(ARGV[1])
+local spent = {}
+for i = 3, #ARGV, 2 do
+  local s = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  spent[#spent + 1] = tostring(s)
+  local limit = tonumber(ARGV[i + 1])
+  if limit >= 0 and s + amount > limit then
+    return {0, (i - 3) / 2, unpack(spent)}
+  end
+end
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[1]) end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return {1, 0, unpack(spent)}
+"""
+
+# KEYS[1]: the sources hash. ARGV: name, explicit version or '', now.
+BUMP_LUA = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+local version = ARGV[2]
+if version == '' then
+  local n = current and tonumber(cjson.decode(current)['version'])
+  version = n and tostring(math.floor(n) + 1) or '1'
+end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({version = version, updated_at = tonumber(ARGV[3])}))
+return version
+"""
+
+
+class RedisStore:
+    SPEND_TTL_S = 400 * 86400  # usage history kept for reports
+
+    def __init__(self, url: str, prefix: str = "pagedserve:gw:"):
+        import redis.asyncio as aioredis
+
+        self.redis = aioredis.from_url(url, decode_responses=True)
+        self.p = prefix
+        self._take = self.redis.register_script(TAKE_LUA)
+        self._give_back = self.redis.register_script(GIVE_BACK_LUA)
+        self._reserve = self.redis.register_script(RESERVE_LUA)
+        self._bump = self.redis.register_script(BUMP_LUA)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def put_key(self, key: ApiKey) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.p + "keys", key.key_id, json.dumps(key.to_dict()))
+            pipe.hset(self.p + "key_hashes", key.key_hash, key.key_id)
+            await pipe.execute()
+
+    async def key_by_hash(self, key_hash: str) -> ApiKey | None:
+        key_id = await self.redis.hget(self.p + "key_hashes", key_hash)
+        data = key_id and await self.redis.hget(self.p + "keys", key_id)
+        return ApiKey(**json.loads(data)) if data else None
+
+    async def revoke_key(self, key_id: str) -> bool:
+        data = await self.redis.hget(self.p + "keys", key_id)
+        if not data:
+            return False
+        record = json.loads(data)
+        record["revoked_at"] = record["revoked_at"] or time.time()
+        await self.redis.hset(self.p + "keys", key_id, json.dumps(record))
+        return True
+
+    async def list_keys(self) -> list[ApiKey]:
+        rows = await self.redis.hgetall(self.p + "keys")
+        return sorted((ApiKey(**json.loads(v)) for v in rows.values()), key=lambda k: k.created_at)
+
+    async def take(self, buckets: list[Bucket]) -> TakeResult:
+        args = [x for b in buckets for x in (b.capacity, b.rate, b.cost)]
+        out = await self._take(keys=[self.p + "bucket:" + b.name for b in buckets], args=args)
+        return TakeResult(bool(int(out[0])), float(out[1]), [float(x) for x in out[2:]])
+
+    async def give_back(self, bucket: Bucket, amount: float) -> None:
+        await self._give_back(keys=[self.p + "bucket:" + bucket.name], args=[bucket.capacity, bucket.rate, amount])
+
+    async def reserve(self, day: str, scopes: list[str], limits: list[int | None], amount: int) -> ReserveResult:
+        args = [amount, self.SPEND_TTL_S]
+        for scope, limit in zip(scopes, limits):
+            args += [scope, -1 if limit is None else limit]
+        out = await self._reserve(keys=[self.p + "spend:" + day], args=args)
+        spent = [int(x) for x in out[2:]]
+        if int(out[0]):
+            return ReserveResult(True, spent)
+        return ReserveResult(False, spent, int(out[1]))
+
+    async def add_spend(self, day: str, scopes: list[str], amount: int) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for scope in scopes:
+                pipe.hincrby(self.p + "spend:" + day, scope, amount)
+            pipe.expire(self.p + "spend:" + day, self.SPEND_TTL_S)
+            await pipe.execute()
+
+    async def usage(self, day: str | None = None) -> list[tuple[str, str, int]]:
+        if day:
+            days = [day]
+        else:
+            days = [k.removeprefix(self.p + "spend:") async for k in self.redis.scan_iter(self.p + "spend:*")]
+        rows = []
+        for d in sorted(days, reverse=True):
+            rows += [(d, scope, int(n)) for scope, n in sorted((await self.redis.hgetall(self.p + "spend:" + d)).items())]
+        return rows
+
+    async def source_versions(self, names: list[str]) -> dict[str, str]:
+        if not names:
+            return {}
+        values = await self.redis.hmget(self.p + "sources", names)
+        return {n: json.loads(v)["version"] if v else "0" for n, v in zip(names, values)}
+
+    async def bump_source(self, name: str, version: str | None = None) -> str:
+        return await self._bump(keys=[self.p + "sources"], args=[name, version or "", time.time()])
+
+    async def list_sources(self) -> dict[str, dict]:
+        rows = await self.redis.hgetall(self.p + "sources")
+        return {n: json.loads(v) for n, v in sorted(rows.items())}
+
+
+Store = SQLiteStore | RedisStore
+
+
+def open_store(spec: str, sqlite_path: Path) -> Store:
+    """'sqlite' (the default file under data_dir), 'sqlite:///path' or 'redis://host:port/db'."""
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(spec)
+    if spec.startswith("sqlite:///"):
+        return SQLiteStore(spec.removeprefix("sqlite:///"))
+    if spec == "sqlite":
+        return SQLiteStore(sqlite_path)
+    raise ValueError(f"unknown store {spec!r}: use 'sqlite', 'sqlite:///path' or 'redis://host:port/db'")

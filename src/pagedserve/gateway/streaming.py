@@ -1,0 +1,75 @@
+"""OpenAI response bodies the gateway builds itself: replays of cached answers (whole or as SSE chunks),
+and the whole answer assembled from a relayed stream so it can be cached."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def answer_text(body: dict, kind: str) -> str:
+    choice = (body.get("choices") or [{}])[0]
+    return (choice.get("message") or {}).get("content") or "" if kind == "chat" else choice.get("text") or ""
+
+
+def replay(body: dict, kind: str) -> dict:
+    """A cached answer with a fresh id and timestamp."""
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return {**body, "id": f"{prefix}-cache-{uuid.uuid4().hex}", "created": int(time.time())}
+
+
+def replay_chunks(body: dict, kind: str, include_usage: bool) -> list[str]:
+    """The same answer as a stream: one content chunk, one finishing chunk, usage if asked, [DONE]."""
+    base = {"id": body["id"], "created": body["created"], "model": body.get("model")}
+    choice = (body.get("choices") or [{}])[0]
+    text, finish = answer_text(body, kind), choice.get("finish_reason")
+    if kind == "chat":
+        base["object"] = "chat.completion.chunk"
+        chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
+                                        "finish_reason": None}]},
+                  {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}]
+    else:
+        base["object"] = "text_completion"
+        chunks = [{**base, "choices": [{"index": 0, "text": text, "finish_reason": None}]},
+                  {**base, "choices": [{"index": 0, "text": "", "finish_reason": finish}]}]
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": body.get("usage")})
+    return [sse(c) for c in chunks] + [DONE]
+
+
+@dataclass(slots=True)
+class StreamAssembler:
+    """Collects a relayed stream's text, finish reason and usage."""
+    kind: str
+    parts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    model: str | None = None
+    chunks: int = 0
+
+    def add(self, event: dict) -> None:
+        self.model = event.get("model", self.model)
+        if event.get("usage"):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or []:
+            self.chunks += 1
+            piece = (choice.get("delta") or {}).get("content") if self.kind == "chat" else choice.get("text")
+            self.parts.append(piece or "")
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+    def body(self) -> dict:
+        text = "".join(self.parts)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": self.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice, obj = {"index": 0, "text": text, "finish_reason": self.finish_reason}, "text_completion"
+        return {"id": "", "object": obj, "created": 0, "model": self.model, "choices": [choice], "usage": self.usage}
