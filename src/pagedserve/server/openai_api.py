@@ -1,0 +1,169 @@
+"""The FastAPI app: OpenAI-compatible routes over one AsyncLLM (plus an optional embedding model)."""
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from pagedserve.server.chat import create_chat_completion, render_prompt
+from pagedserve.server.completions import create_completion
+from pagedserve.server.embeddings import create_embeddings
+from pagedserve.server.errors import APIError, install_error_handlers
+from pagedserve.server.middleware import RequestGuard
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedserve.server.serving import ServerState, until_disconnect
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)
+}
+STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or server-sent events "
+                                                                          "when stream is true"}}
+KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/tokenize",
+               "/detokenize", "/health", "/metrics"}
+
+
+def create_app(state: ServerState, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not state.engine.is_running:
+            state.engine.start()
+        yield
+        state.engine.shutdown()
+
+    # strict_content_type=False: a body is read as JSON even when a client forgets the Content-Type.
+    app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan, strict_content_type=False,
+                  description="OpenAI-compatible API over pagedserve's paged-KV engine.")
+    install_error_handlers(app)
+    state.metrics.watch_engine(lambda: state.engine.stats)
+    app.include_router(_api_routes(state, _auth_dependency(api_key)))
+    app.include_router(_open_routes(state))
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes,
+                       on_response=lambda path, status: state.metrics.record_request(
+                           path if path in KNOWN_PATHS else "other", status))
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+BEARER = HTTPBearer(auto_error=False, description="required when the server runs with --api-key")
+
+
+def _auth_dependency(api_key: str | None):
+    async def check(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+        if api_key is None:
+            return
+        given = credentials.credentials if credentials else ""
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            message = "Incorrect API key provided." if given else "Missing API key: send Authorization: Bearer KEY."
+            raise APIError(401, message, code="invalid_api_key")
+
+    return check
+
+
+def _api_routes(state: ServerState, auth) -> APIRouter:
+    r = APIRouter(dependencies=[Depends(auth)], responses=ROUTE_ERRORS)
+
+    @r.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_DOC)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await until_disconnect(request, _respond(create_completion(state, req)))
+
+    @r.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_DOC)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await until_disconnect(request, _respond(create_chat_completion(state, req)))
+
+    @r.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(req: EmbeddingRequest) -> EmbeddingResponse:
+        return await create_embeddings(state, req)
+
+    @r.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=_model_cards(state))
+
+    @r.get("/v1/models/{model}", response_model=ModelCard)
+    async def model(model: str) -> ModelCard:
+        for card in _model_cards(state):
+            if card.id == model:
+                return card
+        raise APIError(404, f"The model '{model}' does not exist.", "model", "model_not_found")
+
+    @r.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        state.check_generation_model(req.model)
+        text = req.prompt if req.messages is None else render_prompt(state, req.messages, req.add_generation_prompt)
+        tokens = state.engine.tokenizer.encode(text)
+        return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
+
+    @r.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        state.check_generation_model(req.model)
+        vocab = getattr(state.engine.tokenizer, "vocab_size", None)
+        bad = [t for t in req.tokens if vocab is not None and t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", "tokens")
+        return DetokenizeResponse(prompt=state.engine.tokenizer.decode(req.tokens))
+
+    return r
+
+
+def _open_routes(state: ServerState) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    async def health() -> JSONResponse:
+        ok = state.engine.is_running
+        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+
+    @r.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return r
+
+
+async def _respond(work) -> Response:
+    result = await work
+    if isinstance(result, Response):
+        return result
+    return JSONResponse(result.model_dump(mode="json"))
+
+
+def _model_cards(state: ServerState) -> list[ModelCard]:
+    cards = [ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len)]
+    if state.embedder is not None:
+        cards.append(ModelCard(id=state.embedder.model_name, max_model_len=state.embedder.max_seq_length))
+    return cards
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, minus the 422 it would advertise: validation errors here are 400s."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,288 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic), as served and as documented."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TokenId = Annotated[int, Field(ge=0)]
+Stop = str | Annotated[list[str], Field(max_length=16)] | None
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StrictModel(BaseModel):
+    """Requests reject fields they don't know (OpenAI does too), so nothing is silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- errors ----
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- shared request parts ----
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictModel):
+    """Sampling fields common to completions and chat, including vLLM's extras."""
+
+    model: str | None = Field(None, description="served model name; defaults to the one model served")
+    n: int = Field(1, ge=1, le=64)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="vLLM extra: -1 or 0 disables")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extra")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM extra")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extra")
+    ignore_eos: bool = Field(False, description="vLLM extra")
+    min_tokens: int = Field(0, ge=0, description="vLLM extra")
+    skip_special_tokens: bool = Field(True, description="vLLM extra")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extra")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+# ---- completions ----
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---- chat ----
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(StrictModel):
+    type: str
+    json_schema: dict | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is supported")
+    add_generation_prompt: bool = Field(True, description="vLLM extra")
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---- embeddings ----
+
+class EmbeddingRequest(StrictModel):
+    input: str | Annotated[list[str], Field(min_length=1, max_length=2048)] = Field(
+        description="a string or a list of strings (token-id input is not supported)")
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# ---- models, tokenizer, health ----
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(StrictModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unhealthy"]
