@@ -41,8 +41,10 @@ def build(upstream: str) -> Starlette:
             state["faulted"] += 1
         if mode == "529":
             return JSONResponse({"error": {"message": "Overloaded", "type": "overloaded_error"}}, status_code=529)
-        if mode == "hang":
-            await asyncio.Event().wait()
+        if mode == "hang":  # hold the request until the caller gives up, so shutdown is not blocked
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+            return Response(status_code=499)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         upstream_request = client.build_request(request.method, request.url.path, headers=headers,
                                                 content=await request.body(), params=request.query_params)

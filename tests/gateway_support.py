@@ -47,15 +47,21 @@ class Process:
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> Self:
+    def start(self) -> Self:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def wait_ready(self) -> Self:
         try:
             wait_for(self._ready, self.timeout, f"{self.name} to start")
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def __enter__(self) -> Self:
+        return self.start().wait_ready()
 
     def _ready(self) -> bool:
         if self.process.poll() is not None:
@@ -136,3 +142,12 @@ def cli(*args: str) -> str:
     if out.returncode != 0:
         raise RuntimeError(f"pagedserve {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
     return out.stdout
+
+
+def start_all(stack, *processes: Process) -> None:
+    """Starts the processes side by side (model loads overlap), then waits for each; stopped by the stack."""
+    for p in processes:
+        stack.callback(p.__exit__)
+        p.start()
+    for p in processes:
+        p.wait_ready()

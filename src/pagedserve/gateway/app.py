@@ -72,7 +72,7 @@ class Gateway:
         if needs_classifier:
             from pagedserve.gateway.classify import load_or_train
 
-            self.classifier = load_or_train(self.embedder, config.data_dir)
+            self.classifier = load_or_train(self.embedder)
         self._vectors: OrderedDict[str, np.ndarray] = OrderedDict()
         self._background: set[asyncio.Task] = set()
 

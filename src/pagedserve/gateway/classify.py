@@ -1,13 +1,16 @@
 """Difficulty classifier: logistic regression over the query embedding plus length and question-type
-features, trained on the labelled set in data/difficulty.jsonl the first time it is needed (or at build
-time with `pagedserve gateway train-classifier`) and cached beside the gateway's state.
+features, trained on the labelled set in data/difficulty.jsonl at build time (`pagedserve gateway
+train-classifier`) or the first time it is needed, and cached under $PAGEDSERVE_CACHE (~/.cache/pagedserve)
+keyed by the training set's hash, so every gateway on the machine shares one training run.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,13 +74,20 @@ class DifficultyClassifier:
         return cls(w.astype(np.float32), b)
 
     def save(self, path: Path) -> None:
+        """Atomic: gateways starting side by side never read a half-written file."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, weights=self.weights, bias=np.array([self.bias]))
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+            np.savez(f, weights=self.weights, bias=np.array([self.bias]))
+        os.replace(f.name, path)
 
     @classmethod
     def load(cls, path: Path) -> DifficultyClassifier:
         data = np.load(path)
         return cls(data["weights"], float(data["bias"][0]))
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
 
 
 def weights_path(cache_dir: Path, embedder_name: str) -> Path:
@@ -90,8 +100,8 @@ def train(embedder, examples: list[tuple[str, int]]) -> DifficultyClassifier:
     return DifficultyClassifier.fit(embedder.embed(texts), texts, [y for _, y in examples])
 
 
-def load_or_train(embedder, cache_dir: Path) -> DifficultyClassifier:
-    path = weights_path(cache_dir, embedder.model_name)
+def load_or_train(embedder, cache_dir: Path | None = None) -> DifficultyClassifier:
+    path = weights_path(cache_dir or default_cache_dir(), embedder.model_name)
     if path.exists():
         return DifficultyClassifier.load(path)
     examples = load_examples()

@@ -62,8 +62,8 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     usage.add_argument("--day", default=None, help="YYYY-MM-DD in the config's time zone (default: all days)")
     usage.set_defaults(func=_usage)
 
-    gsub.add_parser("train-classifier", parents=[common], help="train the difficulty classifier now (build "
-                    "time) and print its cross-validated accuracy").set_defaults(func=_train)
+    gsub.add_parser("train-classifier", help="train the difficulty classifier now (build time) into "
+                    "$PAGEDSERVE_CACHE and print its cross-validated accuracy").set_defaults(func=_train)
 
     b = bench.add_parser("gateway", help="gateway overhead, semantic-cache lookup at 100k entries, hit rate",
                          description="Runs benchmarks/gateway.py; writes its section of docs/benchmarks.md.")
@@ -101,6 +101,8 @@ def _print(data) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
     from pagedserve.gateway.app import create_app
@@ -109,6 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
     config.host = args.host or config.host
     config.port = args.port if args.port is not None else config.port
     config.otlp_endpoint = args.otlp_endpoint or config.otlp_endpoint
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise; traces have it
     if config.admin_key is None:
         print("note: no admin_key configured; admin endpoints are disabled (the CLI still works)", file=sys.stderr)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
@@ -199,12 +202,11 @@ def _train(args: argparse.Namespace) -> int:
     from pagedserve.embedding import Embedder
     from pagedserve.gateway import classify
 
-    config = _config(args)
     embedder = Embedder.load()
     examples = classify.load_examples()
     print(f"5-fold accuracy on {len(examples)} labelled requests: {classify.cross_validate(embedder, examples):.3f}")
     model = classify.train(embedder, examples)
-    path = classify.weights_path(config.data_dir, embedder.model_name)
+    path = classify.weights_path(classify.default_cache_dir(), embedder.model_name)
     model.save(path)
     print(f"weights -> {path} ({np.asarray(model.weights).size} features)")
     return 0
