@@ -5,7 +5,7 @@ POST /_fault {"mode": M} sets what it does with every other request:
   529   answer 529 "overloaded" without forwarding (an overloaded provider)
   cut   forward, but end a streamed answer right after its first event (a provider dying mid-stream)
   hang  never answer (a provider that times out)
-GET /_fault shows the mode and counts of requests seen and faulted.
+GET /_fault shows the mode, counts of requests seen and faulted, and the last request's headers.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
 
 def build(upstream: str) -> Starlette:
-    state = {"mode": "ok", "requests": 0, "faulted": 0}
+    state = {"mode": "ok", "requests": 0, "faulted": 0, "last_headers": {}}
     client = httpx.AsyncClient(base_url=upstream, timeout=None, trust_env=False)
 
     async def fault(request: Request) -> Response:
@@ -36,6 +36,7 @@ def build(upstream: str) -> Starlette:
 
     async def proxy(request: Request) -> Response:
         state["requests"] += 1
+        state["last_headers"] = dict(request.headers)
         mode = state["mode"]
         if mode != "ok":
             state["faulted"] += 1

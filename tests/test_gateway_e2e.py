@@ -99,6 +99,7 @@ def gateway_config(upstreams: dict, **extra) -> dict:
         "timezone": "Europe/Berlin",
         "budgets": {"user_daily_usd": 2.0},
         "max_body_bytes": 65536,
+        "key_defaults": {"rpm": 300},
         "retry": {"attempts_per_provider": 2, "backoff_s": 0.05},
         "breaker": {"failure_threshold": 3, "reset_s": 6.0},  # long enough for two calls on loaded cores
         "providers": {
@@ -312,6 +313,27 @@ def test_bad_input_gets_4xx_in_openai_error_shape(seed_gateway):
     assert revoked.status_code == 401 and "revoked" in revoked.json()["error"]["message"]
     models = httpx.get(url + "/v1/models", headers=auth).json()
     assert [m["id"] for m in models["data"]] == ["hr-assistant"]
+
+
+def test_completions_residency_and_key_cli(seed_gateway, upstreams):
+    url, config = seed_gateway["url"], str(seed_gateway["config"])
+    created = json.loads(cli("gateway", "keys", "create", "--config", config, "--user", "eve", "--team", "legal",
+                             "--residency", "eu"))
+    listed = {k["key_id"]: k for k in json.loads(cli("gateway", "keys", "list", "--config", config))}
+    assert listed[created["key_id"]]["residency"] == "eu" and listed[created["key_id"]]["revoked_at"] is None
+    assert all("key_hash" not in k and "key" not in k for k in listed.values())
+    client = openai.OpenAI(base_url=url + "/v1", api_key=created["key"], max_retries=0)
+    raw = client.completions.with_raw_response.create(model="hr-assistant", prompt="The capital of France is",
+                                                      max_tokens=4, temperature=0)
+    assert raw.parse().choices[0].text and raw.headers["x-ratelimit-limit-requests"] == "300"  # key_defaults
+    seen = httpx.get(upstreams["proxy"] + "/_fault").json()["last_headers"]
+    assert seen["x-residency"] == "eu" and seen["x-request-id"] == raw.headers["x-gateway-trace-id"]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="hr-assistant", prompt="The capital of France is", max_tokens=4, temperature=0, stream=True) if c.choices)
+    assert streamed == raw.parse().choices[0].text  # greedy: the same text, whether cached or generated
+    assert f"revoked {created['key_id']}" in cli("gateway", "keys", "revoke", created["key_id"], "--config", config)
+    with pytest.raises(openai.AuthenticationError):
+        client.completions.create(model="hr-assistant", prompt="hi", max_tokens=1)
 
 
 def test_restart_keeps_spend_and_spans_were_exported(seed_gateway):

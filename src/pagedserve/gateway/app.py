@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -106,7 +106,9 @@ class Gateway:
         if key is None or not key.active:
             raise APIError(401, "Incorrect API key provided" + (" (it was revoked)" if key else "") + ".",
                            code="invalid_api_key")
-        return key
+        d = self.config.key_defaults
+        return replace(key, rpm=_first(key.rpm, d.rpm), tpm=_first(key.tpm, d.tpm),
+                       daily_budget_usd=_first(key.daily_budget_usd, d.daily_budget_usd))
 
     async def admit(self, request: Request, kind: str, trace: Trace) -> Call:
         key = await self.authenticate(request)
@@ -325,6 +327,10 @@ class Gateway:
         if target is not None:
             headers["x-gateway-provider"] = target.label
         return headers
+
+
+def _first(value, default):
+    return default if value is None else value
 
 
 async def read_body(request: Request, limit: int) -> bytes:

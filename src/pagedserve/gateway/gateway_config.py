@@ -7,6 +7,7 @@ store: sqlite                            # or redis://127.0.0.1:6379/0 (shared b
 data_dir: gateway-data                   # relative to this file: SQLite state, traces, cache, classifier
 timezone: Europe/Berlin                  # day boundary of the daily budgets
 budgets: {user_daily_usd: 2.0, users: {alice: 5.0}}
+key_defaults: {rpm: 60, tpm: 100000, daily_budget_usd: 1.0}   # for keys created without their own
 providers:
   primary:
     base_url: http://127.0.0.1:8001/v1
@@ -109,6 +110,14 @@ class BudgetConfig:
 
 
 @dataclass(slots=True)
+class KeyDefaults:
+    """Limits for keys created without their own."""
+    rpm: int | None = None
+    tpm: int | None = None
+    daily_budget_usd: float | None = None
+
+
+@dataclass(slots=True)
 class GatewayConfig:
     providers: dict[str, ProviderConfig]
     routes: dict[str, RouteConfig]
@@ -119,6 +128,7 @@ class GatewayConfig:
     data_dir: Path = Path("gateway-data")
     timezone: str = "UTC"
     budgets: BudgetConfig = field(default_factory=BudgetConfig)
+    key_defaults: KeyDefaults = field(default_factory=KeyDefaults)
     cache: CacheConfig = field(default_factory=CacheConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -156,6 +166,7 @@ class GatewayConfig:
             host=listen.get("host", "127.0.0.1"), port=int(listen.get("port", 4000)),
             data_dir=base_dir / data.pop("data_dir", "gateway-data"),
             budgets=BudgetConfig(**(data.pop("budgets", None) or {})),
+            key_defaults=KeyDefaults(**(data.pop("key_defaults", None) or {})),
             cache=CacheConfig(**(data.pop("cache", None) or {})),
             retry=RetryConfig(**(data.pop("retry", None) or {})),
             breaker=BreakerConfig(**(data.pop("breaker", None) or {})),
