@@ -417,3 +417,9 @@ def test_two_gateways_sharing_redis_enforce_one_limit_and_one_budget(upstreams, 
         assert [(x["provider"], x["status"]) for x in trace["attempts"]] == [
             ("primary", "timeout"), ("primary", "timeout"), ("fallback", "200")]
         assert all(1.4 <= x["latency_ms"] / 1000 <= 3.0 for x in trace["attempts"][:2])
+
+        # Without its shared store the gateway cannot check limits: it refuses (fails closed), clearly.
+        redis_process.__exit__()
+        response = httpx.post(url_b + "/v1/chat/completions", timeout=30, headers={"authorization": f"Bearer {free['key']}"},
+                              json={"model": "hr-assistant", "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "store_unavailable"

@@ -239,12 +239,13 @@ class Gateway:
         """Passes the provider's events through; a failure after the first one ends the stream with an error."""
         wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
         assembled = StreamAssembler(call.kind)
-        status, error = 200, None
+        status, error = 499, "the client closed the stream"  # until the stream ends one way or another
         try:
             async for data in events:
                 event = json.loads(data)
                 if "error" in event:
-                    status, error = 502, str(event["error"].get("message", event["error"]))
+                    err = event["error"]
+                    status, error = 502, str(err.get("message") if isinstance(err, dict) else err)
                     yield sse(data)
                     return
                 assembled.add(event)
@@ -255,6 +256,7 @@ class Gateway:
                         event.pop("usage")
                         data = json.dumps(event)
                 yield sse(data)
+            status, error = 200, None
             yield DONE
         except (StreamFailed, ValueError) as e:  # no second provider may continue a text the client has seen
             status, error = 502, f"the provider {target.label} failed after the stream started: {e!r}"

@@ -48,5 +48,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if type(exc).__module__.startswith(("redis", "sqlite3")):  # limits can't be checked: fail closed
+            log.error("state store unavailable on %s %s: %r", request.method, request.url.path, exc)
+            return APIError(503, f"the gateway's state store is unavailable ({type(exc).__name__}); retry later",
+                            code="store_unavailable").response()
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return APIError(500, f"internal gateway error: {type(exc).__name__}").response()
