@@ -64,7 +64,8 @@ class Gateway:
         self.limiter = RateLimiter(self.store)
         self.budgets = BudgetKeeper(self.store, config.tz, config.budgets)
         self.providers = ProviderPool(config)
-        self.traces = TraceSink(config.data_dir / "traces.db", config.otlp_endpoint, span_exporter)
+        self.traces = TraceSink(config.data_dir / "traces.db", config.otlp_endpoint, span_exporter,
+                                config.trace_retention_days)
         needs_classifier = any(r.large for r in config.routes.values())
         self.embedder = embedder if embedder is not None else self._load_embedder(config, needs_classifier)
         self.cache = SemanticCache(config.data_dir / "cache.db", self.embedder.dim) if config.cache.enabled else None
@@ -75,6 +76,9 @@ class Gateway:
             self.classifier = load_or_train(self.embedder)
         self._vectors: OrderedDict[str, np.ndarray] = OrderedDict()
         self._background: set[asyncio.Task] = set()
+        log.info("gateway ready: routes %s, providers %s, store %s, cache %s, classifier %s", sorted(config.routes),
+                 sorted(config.providers), config.store, f"{len(self.cache)} entries" if self.cache else "off",
+                 "on" if self.classifier else "off")
 
     @staticmethod
     def _load_embedder(config: GatewayConfig, needs_classifier: bool):

@@ -115,7 +115,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise; traces have it
     if config.admin_key is None:
         print("note: no admin_key configured; admin endpoints are disabled (the CLI still works)", file=sys.stderr)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
+    app = create_app(config)
+    print(f"gateway listening on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
     return 0
 
 

@@ -135,6 +135,7 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256  # used for estimates when a request does not say
     otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
+    trace_retention_days: float = 30.0  # older trace rows are deleted at start-up
     embed_threads: int = 1  # torch threads for query embeddings (one short query at a time)
 
     @property

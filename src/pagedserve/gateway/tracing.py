@@ -57,7 +57,8 @@ class Trace:
 
 
 class TraceSink:
-    def __init__(self, path: Path, otlp_endpoint: str | None = None, span_exporter=None):
+    def __init__(self, path: Path, otlp_endpoint: str | None = None, span_exporter=None,
+                 retention_days: float | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
@@ -65,6 +66,8 @@ class TraceSink:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        if retention_days is not None:
+            self.db.execute("DELETE FROM traces WHERE ts < ?", (time.time() - retention_days * 86400,))
         self.otel = _otel_provider(otlp_endpoint, span_exporter)
         self.tracer = self.otel and self.otel.get_tracer("pagedserve.gateway")
 
