@@ -62,6 +62,9 @@ class ChatRequest(GatewayRequest):
 class CompletionRequest(GatewayRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
 
+    def completion_limit(self, default: int) -> int:
+        return self.max_tokens or 16  # OpenAI's default for completions
+
     def query(self) -> tuple[str | None, list]:
         return (self.prompt, []) if isinstance(self.prompt, str) else (None, [])
 
