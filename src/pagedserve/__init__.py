@@ -1,0 +1,1 @@
+"""pagedserve: an LLM serving stack with a paged KV cache engine."""

@@ -1,0 +1,60 @@
+"""Engine configuration: one dataclass, plus the CLI flags (and config-file keys) that fill it."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file or Hugging Face folder; None: the packaged SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    block_size: int = 16
+    kv_cache_memory: str = "512MiB"  # size of the one preallocated KV pool
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None: all cores
+    attention_backend: str = "cpp"  # cpp: our C++ paged decode kernel (PyTorch fallback); torch: PyTorch only
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1e9' or a plain byte count -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lower = text.strip().lower()
+    for suffix, scale in units.items():
+        if lower.endswith(suffix):
+            return int(float(lower[: -len(suffix)]) * scale)
+    return int(float(lower))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model, help="GGUF file or HF folder (default: packaged SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype; auto picks the faster one measured on this CPU (bfloat16 with AMX)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="size of the KV pool, e.g. 512MiB or 2GiB")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context length cap")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (prefill chunks and decodes together)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off")
+    g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads (default: all cores)")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=["cpp", "torch"],
+                   help="decode attention: our C++ paged kernel (compiled on first use) or pure PyTorch")
+    g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="YAML file whose keys (flag names, dashes or underscores) set values; "
+                             "flags given on the command line win")
+    parser.set_defaults(merge_config_file=True)
+

@@ -1,0 +1,259 @@
+"""The synchronous engine: add requests, call step() in a loop, read RequestOutputs."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from pagedserve.config import EngineConfig, parse_size
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.kv_cache import KVCacheManager
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.loader import load_model
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Measured on the 2-core AMX CPU (benchmarks/dtype.py): bf16 decode steps run about 2x faster than fp32.
+AUTO_DTYPE = torch.bfloat16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": AUTO_DTYPE}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
+
+
+@dataclass(slots=True, eq=False)
+class RequestGroup:
+    """One user request: its n sequences and their detokenizers."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Request] = field(default_factory=list)
+    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.seqs[0].params.n and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = DTYPES[config.dtype]
+        t0 = time.perf_counter()
+        loaded = load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.config.name
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.eos_token_ids = loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
+        model = LlamaForCausalLM(loaded.config, loaded.weights.pop("rope_freqs", None))
+        model.load_weights(loaded.weights)
+        model.to(self.dtype).eval()
+        num_blocks = parse_size(config.kv_cache_memory) // ModelRunner.bytes_per_block(
+            loaded.config, self.dtype, config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds not even one KV block")
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, loaded.config, self.dtype, num_blocks, config.block_size,
+                                  use_kernel=config.attention_backend == "cpp")
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.groups: dict[str, RequestGroup] = {}
+        self.seqs: dict[str, tuple[RequestGroup, int]] = {}
+        self.rng = random.Random(config.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_name, self.dtype, time.perf_counter() - t0, num_blocks, config.block_size,
+                    self.max_model_len)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = (None, list(prompt)) if isinstance(prompt, list) else (prompt, self.tokenizer.encode(prompt))
+        params = self._validated(ids, params)
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        group = RequestGroup(request_id, text, ids)
+        self.groups[request_id] = group
+        self._add_seq(group, Request(request_id, ids, params, time.monotonic(), seed, priority,
+                                     cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
+                                     pending_children=params.n - 1))
+        self.prompt_tokens_total += len(ids)
+
+    def _validated(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                             f"{self.max_model_len} tokens, including the output")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - len(ids))
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                             f"{total} were requested ({len(ids)} in the prompt, {params.max_tokens} to generate)")
+        blocks = -(-total // self.kv.block_size)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(f"the request needs {blocks} KV blocks ({total} tokens) but the whole KV pool has "
+                             f"{self.kv.num_blocks}; lower max_tokens or raise --kv-cache-memory")
+        return params
+
+    def _add_seq(self, group: RequestGroup, req: Request, running: bool = False) -> None:
+        p = req.params
+        group.seqs.append(req)
+        group.detoks.append(IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
+                                                   p.include_stop_str_in_output))
+        self.seqs[req.request_id] = (group, len(group.seqs) - 1)
+        if running:
+            self.scheduler.add_running(req)
+        else:
+            self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+            self.seqs.pop(seq.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        kv = self.kv.stats()
+        return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, kv.blocks_total, kv.blocks_used,
+                           kv.blocks_cached, kv.hit_tokens, kv.query_tokens, self.scheduler.num_preemptions,
+                           self.prompt_tokens_total, self.generation_tokens_total)
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        batch = self.runner.prepare(sched.scheduled, self.kv.req_blocks)
+        hidden = self.runner.execute(batch)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+        rows, reqs = self._fork_children(list(range(len(batch.sample_reqs))), batch.sample_reqs)
+        if not reqs:
+            return []
+        logits = self.runner.compute_logits(hidden[rows])
+        out = sample(logits, SamplingBatch.build(reqs, logits.shape[1]))
+        return self._process(reqs, out)
+
+    def _fork_children(self, rows: list[int], reqs: list[Request]) -> tuple[list[int], list[Request]]:
+        """A request with n > 1 forks its siblings once its prompt is computed; they share its blocks."""
+        out_rows, out_reqs = list(rows), list(reqs)
+        for row, req in zip(rows, reqs):
+            while req.pending_children:
+                group, _ = self.seqs[req.request_id]
+                index = req.params.n - req.pending_children
+                req.pending_children -= 1
+                child = Request(f"{req.request_id}#{index}", req.prompt_token_ids, req.params, req.arrival_time,
+                                hash((req.seed, index)) & (2**63 - 1), req.priority, parent_id=req.request_id,
+                                index=index, cache_salt=req.cache_salt, eos_token_ids=req.eos_token_ids)
+                forked = self.kv.fork(req, child.request_id)
+                if forked is None:  # no block for the copy-on-write tail: recompute (mostly prefix-cache hits)
+                    self._add_seq(group, child)
+                    continue
+                self.runner.copy_blocks(forked.copies)
+                child.num_computed_tokens = req.num_computed_tokens
+                self._add_seq(group, child, running=True)
+                out_rows.append(row)
+                out_reqs.append(child)
+        return out_rows, out_reqs
+
+    def _process(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
+        tokens = out.token_ids.tolist()
+        lp = _logprob_lists(out)
+        touched: dict[str, RequestGroup] = {}
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            group, index = self.seqs[req.request_id]
+            req.append_token(token)
+            self.generation_tokens_total += 1
+            if req.logprobs is not None:
+                req.logprobs.append(self._logprob_entry(token, i, lp, req.params.logprobs))
+            stop_str = group.detoks[index].add_token(token)
+            self._check_finished(req, token, stop_str)
+            touched[group.request_id] = group
+        return [self._output(g) for g in touched.values()]
+
+    def _check_finished(self, req: Request, token: int, stop_str: str | None) -> None:
+        p = req.params
+        if stop_str is not None:
+            req.finish_reason, req.stop_reason = "stop", stop_str
+        elif req.num_output_tokens >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)):
+            req.finish_reason = "stop"
+            req.stop_reason = token if token in p.stop_token_ids else None
+        elif req.num_output_tokens >= req.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            self.scheduler.finish(req)
+
+    def _logprob_entry(self, token: int, i: int, lp: dict, k: int) -> dict[int, Logprob]:
+        entry = {token: Logprob(lp["sampled"][i], lp["ranks"][i], self.tokenizer.decode([token], False))}
+        for rank, (tid, value) in enumerate(zip(lp["top_ids"][i][:k], lp["top_lps"][i][:k]), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, rank, self.tokenizer.decode([tid], False))
+        return entry
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        finished = group.finished
+        outputs = []
+        for seq, detok in sorted(zip(group.seqs, group.detoks), key=lambda sd: sd[0].index):
+            outputs.append(CompletionOutput(seq.index, detok.output_text(seq.is_finished), list(seq.output_token_ids),
+                                            seq.logprobs, seq.finish_reason, seq.stop_reason))
+        if finished:
+            self.groups.pop(group.request_id, None)
+            for seq in group.seqs:
+                self.seqs.pop(seq.request_id, None)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
+                             group.seqs[0].num_cached_tokens)
+
+
+def _logprob_lists(out: SamplerOutput) -> dict:
+    if out.logprobs is None:
+        return {}
+    return {
+        "sampled": out.logprobs.tolist(),
+        "ranks": out.ranks.tolist(),
+        "top_ids": out.top_ids.tolist() if out.top_ids is not None else [[] for _ in out.logprobs],
+        "top_lps": out.top_logprobs.tolist() if out.top_logprobs is not None else [[] for _ in out.logprobs],
+    }

@@ -1,0 +1,90 @@
+"""Owns the model and the KV pool; turns a scheduled batch into tensors and runs one forward pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.request import Request
+from pagedserve.model.attention import AttentionMetadata, PrefillSpan
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.model_config import ModelConfig
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row of the last computed token of each request that samples this step
+    sample_reqs: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, dtype: torch.dtype, num_blocks: int,
+                 block_size: int, use_kernel: bool = True) -> None:
+        self.model = model
+        self.use_kernel = use_kernel
+        self.block_size = block_size
+        shape = (num_blocks * block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(config.num_hidden_layers)]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * block_size * config.kv_size * elem
+
+    def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]) -> BatchInputs:
+        bs = self.block_size
+        decodes = [(r, n) for r, n in scheduled if n == 1]
+        prefills = [(r, n) for r, n in scheduled if n != 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows, sample_reqs, spans = [], [], []
+        for req, n in decodes + prefills:
+            start, table = len(ids), block_tables[req.request_id]
+            first = req.num_computed_tokens
+            ids += req.all_token_ids[first:first + n]
+            pos = range(first, first + n)
+            positions += pos
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+            if n != 1:
+                used = -(-(first + n) // bs)
+                spans.append(PrefillSpan(start, n, first, torch.tensor(table[:used], dtype=torch.long)))
+            if first + n == req.num_tokens:
+                sample_rows.append(start + n - 1)
+                sample_reqs.append(req)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes),
+                                 *self._decode_tables(decodes, block_tables), spans, self.use_kernel)
+        return BatchInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
+                           sample_rows, sample_reqs)
+
+    @staticmethod
+    def _decode_tables(decodes: list[tuple[Request, int]],
+                       block_tables: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not decodes:
+            return torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        tables = [block_tables[r.request_id] for r, _ in decodes]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        return padded, torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes], dtype=torch.long)
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchInputs) -> torch.Tensor:
+        """Runs the forward pass; returns hidden states of the sampled rows only."""
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.block_size)
+        return hidden[batch.sample_rows]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        for k, v in self.kv_caches:
+            for src, dst in copies:
+                k[dst * bs:(dst + 1) * bs] = k[src * bs:(src + 1) * bs]
+                v[dst * bs:(dst + 1) * bs] = v[src * bs:(src + 1) * bs]

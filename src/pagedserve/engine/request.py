@@ -1,0 +1,69 @@
+"""A request as the scheduler sees it: token ids, progress, blocks and sampling state."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedserve.outputs import SampleLogprobs
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str  # unique per sequence; a parent with n > 1 has children "<id>#<i>"
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seed: int  # per-sequence seed: the params' seed, or one drawn by the engine
+    priority: int = 0  # lower is more important (vLLM convention)
+    parent_id: str | None = None
+    index: int = 0  # which of the parent's n samples this is
+    cache_salt: str | None = None  # extra key of the prefix-cache hash chain (e.g. LoRA id, tenant salt)
+    eos_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
+    pending_children: int = 0  # n - 1 samples still to fork from this one when its prompt is done
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.params.max_tokens is not None, "the engine fills max_tokens in before scheduling"
+        return self.params.max_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

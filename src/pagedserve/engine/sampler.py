@@ -1,0 +1,169 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws and logprobs.
+
+Every row is sampled by inverse CDF with one uniform number derived from (seed, output position),
+so a seeded request draws the same tokens whatever else shares its batch, and the whole batch is
+sampled with a handful of tensor ops and no Python loop per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.request import Request
+
+M32 = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, built once per step from the sampled requests."""
+    temperature: torch.Tensor  # [S] float (0 for greedy rows)
+    top_k: torch.Tensor  # [S] long (vocab size where disabled)
+    top_p: torch.Tensor  # [S] float
+    min_p: torch.Tensor  # [S] float
+    seeds: torch.Tensor  # [S] long
+    steps: torch.Tensor  # [S] long: output position of the token being drawn
+    all_greedy: bool
+    need_sort: bool  # some row uses top_k or top_p
+    penalties: "Penalties | None"
+    banned: list[tuple[int, list[int]]]  # (row, token ids) masked out, e.g. EOS before min_tokens
+    max_logprobs: int | None  # largest number of alternatives asked for; None: no row wants logprobs
+
+    @classmethod
+    def build(cls, reqs: list[Request], vocab_size: int) -> "SamplingBatch":
+        ps = [r.params for r in reqs]
+        temps = [0.0 if p.greedy else p.temperature for p in ps]
+        top_k = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in ps]
+        wants = [p.logprobs for p in ps if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32),
+            top_k=torch.tensor(top_k, dtype=torch.long),
+            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32),
+            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.long),
+            steps=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.long),
+            all_greedy=all(t == 0.0 for t in temps),
+            need_sort=any(k < vocab_size for k, t in zip(top_k, temps) if t > 0)
+            or any(p.top_p < 1 for p, t in zip(ps, temps) if t > 0),
+            penalties=Penalties.build(reqs),
+            banned=[(i, banned_tokens(r)) for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens],
+            max_logprobs=max(wants) if wants else None,
+        )
+
+
+def banned_tokens(req: Request) -> list[int]:
+    return list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(req.eos_token_ids))
+
+
+@dataclass(slots=True)
+class Penalties:
+    rows: torch.Tensor  # [P] long: which rows carry penalties
+    repetition: torch.Tensor  # [P]
+    presence: torch.Tensor  # [P]
+    frequency: torch.Tensor  # [P]
+    output_ids: torch.Tensor  # [P, L] long, padded with -1
+    prompt_ids: torch.Tensor  # [P, L'] long, padded with -1
+
+    @classmethod
+    def build(cls, reqs: list[Request]) -> "Penalties | None":
+        rows = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0
+                or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+        if not rows:
+            return None
+        sel = [reqs[i] for i in rows]
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.long),
+            repetition=torch.tensor([r.params.repetition_penalty for r in sel]),
+            presence=torch.tensor([r.params.presence_penalty for r in sel]),
+            frequency=torch.tensor([r.params.frequency_penalty for r in sel]),
+            output_ids=pad([r.output_token_ids for r in sel]),
+            prompt_ids=pad([r.prompt_token_ids for r in sel]),
+        )
+
+    def apply(self, logits: torch.Tensor) -> None:
+        sub = logits[self.rows]
+        vocab = sub.shape[1]
+        counts = token_counts(self.output_ids, vocab)
+        seen = (counts > 0) | (token_counts(self.prompt_ids, vocab) > 0)
+        rep = self.repetition.unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub -= self.frequency.unsqueeze(1) * counts + self.presence.unsqueeze(1) * (counts > 0)
+        logits[self.rows] = sub
+
+
+def pad(seqs: list[list[int]]) -> torch.Tensor:
+    width = max(1, max(len(s) for s in seqs))
+    return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.long)
+
+
+def token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32)
+    counts.scatter_add_(1, ids.clamp(min=-1) % (vocab + 1), torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]  # -1 padding lands in the last column, which is dropped
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S]
+    logprobs: torch.Tensor | None  # [S] logprob of the sampled token
+    ranks: torch.Tensor | None  # [S] its rank (1 = most likely)
+    top_ids: torch.Tensor | None  # [S, K]
+    top_logprobs: torch.Tensor | None  # [S, K]
+
+
+def uniform_per_row(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A reproducible uniform in [0, 1) per (seed, step), by a 32-bit integer hash in int64 lanes."""
+    x = (mix32(seeds & M32) ^ mix32((seeds >> 32) & M32)) & M32
+    x = mix32((x + steps * 0x9E3779B) & M32)
+    return x.double() / 2**32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & M32
+    return (x >> 16) ^ x
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: [S, V] float32 (a private copy: modified in place)."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+    if batch.penalties is not None:
+        batch.penalties.apply(logits)
+    for row, ids in batch.banned:
+        logits[row, ids] = float("-inf")
+    greedy = logits.argmax(dim=-1)
+    tokens = greedy if batch.all_greedy else torch.where(batch.temperature > 0, draw(logits, batch), greedy)
+    out = SamplerOutput(tokens, None, None, None, None)
+    if raw_logprobs is not None:
+        sampled = raw_logprobs.gather(1, tokens.unsqueeze(1))
+        out.logprobs = sampled.squeeze(1)
+        out.ranks = (raw_logprobs > sampled).sum(dim=1) + 1
+        if batch.max_logprobs:
+            out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
+    return out
+
+
+def draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+    logits = logits / temp.unsqueeze(1)
+    if batch.need_sort:
+        logits = mask_top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if bool((batch.min_p > 0).any()):
+        probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
+    cdf = probs.double().cumsum(dim=-1)
+    u = uniform_per_row(batch.seeds, batch.steps).unsqueeze(1) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    return tokens.clamp(max=logits.shape[1] - 1)
+
+
+def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token: keep while < top_p
+    drop |= before >= top_p.unsqueeze(1)
+    drop[:, 0] = False  # the most likely token always survives
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))

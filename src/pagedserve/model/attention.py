@@ -1,0 +1,92 @@
+"""Paged attention in PyTorch: K/V live in one block pool and are read through block tables."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model.kernels import cpu_kernels
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    start: int  # first row of this request's queries in the flat token batch
+    num_tokens: int  # queries this step
+    context_len: int  # tokens already in the cache before this step
+    block_table: torch.Tensor  # int64 [num_blocks needed for context_len + num_tokens]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """How the flat token batch maps onto the KV pool. Decode rows come first, then prefill spans."""
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each token's K/V is written
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # int64 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor  # int64 [num_decodes]: tokens each decode attends to, itself included
+    prefills: list[PrefillSpan]
+    use_kernel: bool = True  # the C++ decode kernel; False: the pure-PyTorch path
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache / v_cache: [num_slots, num_kv_heads, head_dim]; k / v: [num_tokens, num_kv_heads, head_dim]."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[num_slots, kv, d] pool and [..., nb] block ids -> [..., nb * block_size, kv, d]."""
+    blocks = cache.view(-1, block_size, *cache.shape[1:])[block_table]
+    return blocks.flatten(-4, -3)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, block_size: int, scale: float) -> torch.Tensor:
+    """q: [T, H, d]; k, v: [T, KV, d] of this step (already in the cache). Returns [T, H, d]."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        kernels = cpu_kernels() if meta.use_kernel and q.device.type == "cpu" else None
+        if kernels is not None:
+            out[:nd] = kernels.paged_decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                                      meta.decode_context_lens, block_size, scale)
+        else:
+            out[:nd] = decode_attention_torch(q[:nd], k_cache, v_cache, meta, block_size, scale)
+    for p in meta.prefills:
+        rows = slice(p.start, p.start + p.num_tokens)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if p.context_len == 0:
+            kp, vp = k[rows], v[rows]
+            op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                                                is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            total = p.context_len + p.num_tokens
+            kp = gather_blocks(k_cache, p.block_table, block_size)[:total]
+            vp = gather_blocks(v_cache, p.block_table, block_size)[:total]
+            mask = causal_mask_with_context(p.num_tokens, p.context_len, q.device)
+            op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                                                attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = op.squeeze(0).transpose(0, 1)
+    return out
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           block_size: int, scale: float) -> torch.Tensor:
+    """Gather-then-matmul decode attention; GQA by grouping query heads per KV head. q: [B, H, d]."""
+    k = gather_blocks(k_cache, meta.decode_block_tables, block_size)  # [B, L, KV, d]
+    v = gather_blocks(v_cache, meta.decode_block_tables, block_size)
+    b, length, kv, d = k.shape
+    qg = q.reshape(b, kv, -1, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, KV, G, L]
+    valid = torch.arange(length).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
+    scores.masked_fill_(~valid.view(b, 1, 1, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(q.shape)
+
+
+def causal_mask_with_context(num_tokens: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position context_len + i) sees keys 0 .. context_len + i."""
+    q_pos = torch.arange(num_tokens, device=device).unsqueeze(1) + context_len
+    k_pos = torch.arange(context_len + num_tokens, device=device).unsqueeze(0)
+    return k_pos <= q_pos

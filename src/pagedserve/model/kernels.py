@@ -1,0 +1,30 @@
+"""Our C++ CPU kernels, compiled on first use into the virtualenv (per machine, -march=native).
+
+If no compiler is available the engine falls back to the pure-PyTorch attention path.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+
+
+@cache
+def cpu_kernels():
+    """The compiled extension module, or None when it cannot be built here."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = Path(sys.prefix) / "pagedserve_kernels"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(name="pagedserve_cpu_kernels", sources=[str(CSRC / "paged_attention.cpp")],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # a missing compiler or headers: the torch path still works
+        logger.warning("C++ attention kernel unavailable (%s); using the PyTorch path", e)
+        return None

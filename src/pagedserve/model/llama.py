@@ -1,0 +1,158 @@
+"""Our own Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pagedserve.model.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (HF layout), with linear or llama3 frequency scaling or GGUF rope_freqs factors."""
+
+    def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        inv_freq = scale_frequencies(inv_freq, config.rope_scaling)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.double()
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        if config.rope_scaling and config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) == "linear":
+            t = t / config.rope_scaling["factor"]
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def scale_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, block_size, self.scale)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, kv, meta, block_size):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta, block_size)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config, freq_factors)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; logits are computed only where a token is sampled."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv, meta, block_size)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Weights in HF naming; q/k/v and gate/up are fused into one matmul each."""
+        params = dict(self.named_parameters())
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            fuse(weights, p + "self_attn.qkv_proj.weight", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+            if self.config.attention_bias:
+                fuse(weights, p + "self_attn.qkv_proj.bias", [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+            fuse(weights, p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        with torch.no_grad():
+            for name, w in weights.items():
+                key = name.removeprefix("model.")
+                if key == "rope_freqs" or (key == "lm_head.weight" and self.config.tie_word_embeddings):
+                    continue
+                if key not in params:
+                    raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+                if params[key].shape != w.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(params[key].shape)}")
+                params[key].copy_(w)
+
+
+def fuse(weights: dict[str, torch.Tensor], fused: str, parts: list[str]) -> None:
+    missing = [p for p in parts if p not in weights]
+    if missing:
+        raise ValueError(f"model file lacks {missing[0]!r}")
+    weights[fused] = torch.cat([weights.pop(p) for p in parts], dim=0)

