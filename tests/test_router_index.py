@@ -133,8 +133,12 @@ def test_regions_prefer_near_and_spill_when_saturated():
     assert regions.nearest("eu", [eu, us]) == [eu]
     assert regions.rtt("us", "eu") == 90  # the matrix is read both ways
     assert regions.rtt("ap", "us") == regions.default_rtt_ms
-    eu.inflight_requests = 2
-    assert regions.nearest("eu", [eu, us]) == [eu, us]
+    eu2 = Replica("eu2", "u", region="eu", latency_ms=60.0)  # one slow probe does not exile a replica
+    assert regions.nearest("eu", [eu, eu2, us]) == [eu, eu2]
+    eu.inflight_requests = eu2.inflight_requests = 2
+    assert regions.nearest("eu", [eu, eu2, us]) == [eu, eu2, us]
+    us.latency_ms = 500.0  # measured latency counts: a slow region loses to the matrix's far one
+    assert regions.region_latency("eu", [eu, us])["us"] == 590.0
 
 
 def test_residency_is_a_subset_rule():

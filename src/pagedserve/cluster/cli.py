@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import runpy
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     up.add_argument("--host", default="127.0.0.1", help="router address")
     up.add_argument("--port", type=int, default=8080, help="router port")
     up.add_argument("--log-dir", type=Path, default=None, help="replica logs (default: a temp folder)")
+    up.add_argument("--serve-args", default="",
+                    help="more `pagedserve serve` flags for every replica, as one string, "
+                         "e.g. \"--embedding-model none --api-key KEY\"")
     add_router_args(up)
     add_engine_args(up)
     up.set_defaults(func=run_cluster_up)
@@ -87,7 +90,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     engine = EngineConfig.from_args(args)
     if engine.num_threads is None:
         engine.num_threads = threads_per_replica(args.replicas)
-    serve_args = engine_flags(engine)
+    serve_args = engine_flags(engine) + shlex.split(args.serve_args)
     if args.backend == "ray":
         from pagedserve.cluster.ray_launcher import RayCluster
         cluster = RayCluster(args.replicas, serve_args, address=args.ray_address, replica_cpus=args.replica_cpus)
@@ -100,7 +103,6 @@ def run_cluster_up(args: argparse.Namespace) -> int:
 
 
 def run_bench_routing(args: argparse.Namespace) -> int:
-    script = Path(__file__).resolve().parents[3] / "benchmarks" / "routing.py"
-    sys.argv = [str(script), *args.bench_args]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    from pagedserve.cluster.bench_routing import main
+
+    return main(args.bench_args)

@@ -57,6 +57,7 @@ class RayCluster:
         self.startup_timeout = startup_timeout
         self.actors: list = []
         self._urls: list[str] = []
+        self._owns_ray = False
 
     def start(self) -> RayCluster:
         import ray
@@ -64,6 +65,7 @@ class RayCluster:
         if not ray.is_initialized():
             local = {} if self.address else {"num_cpus": self.num_cpus}
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False, **local)
+            self._owns_ray = True
         remote_actor = ray.remote(num_cpus=self.replica_cpus)(ReplicaActor)
         try:
             self.actors = [remote_actor.remote(f"ray-replica-{i}", self.serve_args, self.host)
@@ -81,15 +83,16 @@ class RayCluster:
     def stop(self) -> None:
         import ray
 
-        if not self.actors:
-            return
         try:
             ray.get([a.stop.remote() for a in self.actors], timeout=30)
-        except (ray.exceptions.RayError, TimeoutError) as exc:  # an actor already gone: its replica died with it (PDEATHSIG)
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # actor gone: its replica went with it
             log.warning("stopping Ray replicas: %s", exc)
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
 
     def __enter__(self) -> Self:
         return self.start()

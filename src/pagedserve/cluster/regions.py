@@ -5,6 +5,7 @@ from the client's region plus the replica's measured latency) only orders what r
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from pagedserve.cluster.replica import Replica
@@ -35,14 +36,21 @@ class RegionMap:
             return float(back[client_region])
         return 0.0 if client_region == replica_region else self.default_rtt_ms
 
-    def estimated_latency(self, client_region: str, replica: Replica) -> float:
-        return self.rtt(client_region, replica.region) + (replica.latency_ms or 0.0)
+    def region_latency(self, client_region: str, candidates: list[Replica]) -> dict[str, float]:
+        """Per region: configured RTT plus the median measured latency of its replicas. Per region, not
+        per replica, so probe noise on one busy replica cannot push it out of its own region."""
+        measured: dict[str, list[float]] = {}
+        for r in candidates:
+            measured.setdefault(r.region, []).append(r.latency_ms or 0.0)
+        return {region: self.rtt(client_region, region) + statistics.median(values)
+                for region, values in measured.items()}
 
     def nearest(self, client_region: str, candidates: list[Replica]) -> list[Replica]:
-        """The replicas within slack of the nearest one; all candidates when every near one is saturated."""
-        latency = {r.name: self.estimated_latency(client_region, r) for r in candidates}
+        """The replicas of the regions within slack of the nearest; all candidates when every near
+        replica is saturated."""
+        latency = self.region_latency(client_region, candidates)
         best = min(latency.values())
-        near = [r for r in candidates if latency[r.name] <= best + self.slack_ms]
+        near = [r for r in candidates if latency[r.region] <= best + self.slack_ms]
         if all(r.inflight_requests >= self.spill_inflight for r in near):
             return candidates
         return near

@@ -57,7 +57,7 @@ class Router:
         candidates = [r for r in allowed if r.healthy and r.name not in exclude]
         if not candidates:
             raise NoReplicaError(self._unavailable_reason(allowed, residency, exclude))
-        serving = [r for r in candidates if model in r.models]
+        serving = [r for r in candidates if not r.models or model in r.models]
         candidates = serving or candidates  # an unknown model goes through, for the replica's own 404
         near = self.regions.nearest(client_region or self.config.region, candidates)
         decision = self.policy.choose(req, near)

@@ -1,0 +1,258 @@
+"""Routing benchmark (`pagedserve bench routing`, benchmarks/routing.py).
+
+Real mode: N local replicas, a multi-tenant chat workload (T tenants, each with its own long system
+prompt; several users per tenant; multi-turn conversations), run once through a router per policy.
+Each policy gets its own tenant prompts (a per-run salt), so no policy inherits another's warm cache.
+Prefix hit rate comes from the replicas' own counters; TTFT and throughput from the client side.
+It also calibrates the simulator: prefill cost per uncached token and decode cost per token on one
+otherwise idle replica.
+
+Simulation mode (--simulate): see routing_sim.py; clearly a model, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.cluster.launcher import LocalCluster, free_port, wait_healthy
+
+REPO = Path(__file__).resolve().parents[3]
+SECTION = "## Routing policies (benchmarks/routing.py)"
+CALIBRATION = REPO / "docs" / "routing_calibration.json"
+WORDS = ("account", "invoice", "refund", "shipping", "warranty", "policy", "customer", "order", "delivery", "return", "support", "agent", "product", "manual", "battery", "screen", "charger", "network", "router", "modem", "password", "login", "security", "privacy", "contract", "renewal", "discount", "premium", "basic", "plan", "upgrade", "downgrade", "billing", "cycle", "payment", "card", "bank", "transfer", "receipt", "tax", "region", "store", "opening", "hours", "holiday", "weekend", "schedule", "manager", "escalate", "ticket", "priority", "urgent", "normal", "low", "response", "time", "apology", "thanks", "greeting", "closing")
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    policy: str
+    requests: int
+    seconds: float
+    output_tokens: int
+    hit_rate: float
+    ttft: list[float] = field(default_factory=list)
+    per_replica: list[int] = field(default_factory=list)
+
+    def row(self) -> dict:
+        q = statistics.quantiles(self.ttft, n=100) if len(self.ttft) > 1 else self.ttft * 99
+        return {"policy": self.policy, "requests": self.requests, "req_s": self.requests / self.seconds,
+                "tok_s": self.output_tokens / self.seconds, "hit_rate": self.hit_rate,
+                "ttft_p50": q[49], "ttft_p99": q[98], "per_replica": self.per_replica}
+
+
+def counters(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("pagedserve_prefix_cache_hit_tokens_total", "pagedserve_prefix_cache_query_tokens_total"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+            if s.name == "pagedserve_requests_total" and "chat" in s.labels.get("endpoint", ""):
+                out["chat"] = out.get("chat", 0.0) + s.value
+    return out
+
+
+def system_prompt(url: str, tenant: int, salt: str, tokens: int, rng: random.Random) -> str:
+    """A tenant's own system prompt of about `tokens` tokens (measured with the replica's /tokenize)."""
+    head = f"You are the support assistant of tenant {tenant} (run {salt}). Follow these notes:\n"
+    words = [rng.choice(WORDS) for _ in range(tokens)]
+    text = head + " ".join(words)
+    count = len(httpx.post(url + "/tokenize", json={"prompt": text}, timeout=30).json()["tokens"])
+    keep = max(1, int(len(words) * tokens / count))
+    return head + " ".join(words[:keep])
+
+
+async def chat_turn(client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int,
+                    ttfts: list[float]) -> tuple[str, int]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start, first, text, tokens = time.perf_counter(), None, [], 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content") and first is None:
+                    first = time.perf_counter()
+                text.append(choice.get("delta", {}).get("content") or "")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    ttfts.append((first or time.perf_counter()) - start)
+    return "".join(text), tokens
+
+
+async def run_workload(router_url: str, model: str, prompts: list[str], args: argparse.Namespace,
+                       ttfts: list[float]) -> int:
+    conversations = asyncio.Queue()
+    for user in range(args.users):
+        for tenant, prompt in enumerate(prompts):
+            conversations.put_nowait((tenant, user, prompt))
+    output_tokens = 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal output_tokens
+        while not conversations.empty():
+            tenant, user, prompt = conversations.get_nowait()
+            messages = [{"role": "system", "content": prompt}]
+            for turn in range(args.turns):
+                messages.append({"role": "user", "content": f"User {user} asks question {turn}: where is my "
+                                                            f"order {tenant * 100 + user}?"})
+                text, tokens = await chat_turn(client, model, messages, args.max_tokens, ttfts)
+                output_tokens += tokens
+                messages.append({"role": "assistant", "content": text})
+
+    async with httpx.AsyncClient(base_url=router_url, timeout=600) as client:
+        await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
+    return output_tokens
+
+
+def run_policy(policy: str, urls: list[str], model: str, args: argparse.Namespace) -> PolicyResult:
+    port = free_port()
+    router_url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "pagedserve.cli", "--log-level", "WARNING", "router", "--policy", policy,
+               "--port", str(port), *[a for u in urls for a in ("--replica", u)]]
+    router = subprocess.Popen(command)
+    try:
+        wait_healthy(router_url, time.monotonic() + 60)
+        rng = random.Random(args.seed)
+        prompts = [system_prompt(urls[0], t, policy, args.system_tokens, rng) for t in range(args.tenants)]
+        before = [counters(u) for u in urls]
+        ttfts: list[float] = []
+        start = time.perf_counter()
+        tokens = asyncio.run(run_workload(router_url, model, prompts, args, ttfts))
+        seconds = time.perf_counter() - start
+        after = [counters(u) for u in urls]
+    finally:
+        router.terminate()
+        router.wait(30)
+    hit = sum(a.get("pagedserve_prefix_cache_hit_tokens_total", 0) - b.get("pagedserve_prefix_cache_hit_tokens_total", 0)
+              for a, b in zip(after, before, strict=True))
+    query = sum(a.get("pagedserve_prefix_cache_query_tokens_total", 0)
+                - b.get("pagedserve_prefix_cache_query_tokens_total", 0) for a, b in zip(after, before, strict=True))
+    per_replica = [int(a.get("chat", 0) - b.get("chat", 0)) for a, b in zip(after, before, strict=True)]
+    return PolicyResult(policy, len(ttfts), seconds, tokens, hit / query if query else 0.0, ttfts, per_replica)
+
+
+def calibrate(url: str, model: str, tokens: int) -> dict:
+    """Cost model inputs, on one replica with the others idle: warm (cached) and cold prefill, decode."""
+    rng = random.Random(12345)
+    prompt = system_prompt(url, 999, f"calibration-{time.time()}", tokens, rng)
+
+    def ttft(max_tokens: int) -> tuple[float, float]:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        start = time.perf_counter()
+        usage = httpx.post(url + "/v1/completions", json=body, timeout=600).json()["usage"]
+        return time.perf_counter() - start, usage["prompt_tokens"]
+
+    cold, prompt_tokens = ttft(1)
+    warm, _ = ttft(1)
+    long, _ = ttft(33)
+    return {"prompt_tokens": prompt_tokens, "cold_s": cold, "warm_s": warm,
+            "prefill_s_per_token": max(cold - warm, 1e-6) / prompt_tokens,
+            "decode_s_per_token": max(long - warm, 1e-6) / 32, "measured": datetime.now(UTC).isoformat()}
+
+
+def report(results: list[PolicyResult], args: argparse.Namespace, calibration: dict, sim: str) -> str:
+    rows = [r.row() for r in results]
+    base = next((r for r in rows if r["policy"] == "round_robin"), rows[0])
+    lines = [SECTION, "",
+             f"Command: `pagedserve bench routing {' '.join(args.argv)}`  ",
+             (f"Machine: {platform.machine()}, {args.cpus} CPU cores shared with other work, no GPU; "
+             f"{args.replicas} replicas of SmolLM2-135M-Instruct (1 thread, {args.kv_cache_memory} KV pool each); "
+             f"date {datetime.now(UTC):%Y-%m-%d}.  "),
+             (f"Workload: {args.tenants} tenants x {args.users} users x {args.turns} turns, "
+             f"~{args.system_tokens}-token system prompt per tenant, {args.max_tokens} output tokens per turn, "
+             f"{args.concurrency} concurrent conversations (closed loop)."), "",
+             ("| policy | requests | req/s | output tok/s | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | "
+             "requests per replica | throughput vs RR | hit rate vs RR |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['requests']} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
+                     f"{r['hit_rate']:.1%} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['per_replica']} | "
+                     f"{r['req_s'] / base['req_s']:.2f}x | "
+                     f"{(r['hit_rate'] / base['hit_rate']) if base['hit_rate'] else float('inf'):.1f}x |")
+    lines += ["", ("Hit rate: prompt tokens served from the replicas' prefix caches / prompt tokens looked up, "
+              "from the replicas' own /metrics. TTFT is client-side, through the router."), "",
+              (f"Calibration (one replica, others idle): prefill {calibration['prefill_s_per_token'] * 1e3:.2f} ms "
+              f"per uncached token, decode {calibration['decode_s_per_token'] * 1e3:.1f} ms per token, "
+              f"cached-prompt overhead {calibration['warm_s']:.2f} s."), "", sim]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(doc: Path, section: str) -> None:
+    """Replaces this benchmark's section of docs/benchmarks.md, leaving the others alone."""
+    import re
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else (
+        text.rstrip("\n") + "\n\n" + section)
+    doc.write_text(text)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pagedserve bench routing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--policies", default="round_robin,least_load,prefix_affinity")
+    p.add_argument("--tenants", type=int, default=16)
+    p.add_argument("--users", type=int, default=2, help="users (conversations) per tenant")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--kv-cache-memory", default="128MiB",
+                   help="per replica: room for a few tenants' prompts, not all of them")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", action="store_true",
+                   help="only the simulation (uses the last calibration in docs/routing_calibration.json)")
+    p.add_argument("--docs", type=Path, default=REPO / "docs")
+    args = p.parse_args(argv)
+    args.argv = argv
+    import os
+    args.cpus = os.cpu_count()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedserve.cluster.routing_sim import DEFAULT_CALIBRATION, simulation_report
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.simulate:
+        calibration = json.loads(CALIBRATION.read_text()) if CALIBRATION.is_file() else DEFAULT_CALIBRATION
+        print(simulation_report(calibration, args.seed))
+        return 0
+    serve_args = ["--kv-cache-memory", args.kv_cache_memory, "--num-threads", "1", "--max-num-seqs", "16",
+                  "--max-model-len", "4096", "--embedding-model", "none", "--disable-access-log"]
+    with LocalCluster(args.replicas, serve_args) as cluster:
+        urls = cluster.urls()
+        model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
+        calibration = calibrate(urls[0], model, args.system_tokens)
+        print("calibration:", calibration, flush=True)
+        results = []
+        for policy in args.policies.split(","):
+            results.append(run_policy(policy, urls, model, args))
+            print(json.dumps(results[-1].row()), flush=True)
+    CALIBRATION.write_text(json.dumps(calibration, indent=1) + "\n")
+    sim = simulation_report(calibration, args.seed)
+    section = report(results, args, calibration, sim)
+    print(section)
+    write_section(args.docs / "benchmarks.md", section)
+    return 0
