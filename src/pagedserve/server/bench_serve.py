@@ -33,6 +33,7 @@ SECTION = "## Online serving (benchmarks/serve.py)"
 @dataclass(slots=True)
 class BenchRequest:
     prompt: list[int]
+    text: str  # the same prompt decoded, for peers that take text only
     max_tokens: int
 
 
@@ -76,7 +77,7 @@ def mix_workload(tokenizer, num_requests: int, seed: int) -> list[BenchRequest]:
         n_prompt, n_out = rng.randint(64, 512), rng.randint(16, 256)
         start = rng.randrange(0, max(1, len(ids) - n_prompt))
         prompt = (ids[start:] + ids)[:n_prompt]
-        out.append(BenchRequest(prompt, n_out))
+        out.append(BenchRequest(prompt, tokenizer.decode(prompt), n_out))
     return out
 
 
@@ -89,13 +90,15 @@ def _english_text() -> str:
 
 # ---- one streamed request ----
 
-async def run_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> RequestResult:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+async def run_one(client: httpx.AsyncClient, server: ServerProcess, req: BenchRequest) -> RequestResult:
+    body = {"model": server.model, "prompt": req.prompt if server.token_prompts else req.text,
+            "max_tokens": req.max_tokens, "temperature": 0, "stream": True}
+    if server.ignore_eos:
+        body["ignore_eos"] = True
     start = time.perf_counter()
     stamps: list[float] = []
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 return RequestResult(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
             async for line in resp.aiter_lines():
@@ -110,26 +113,35 @@ async def run_one(client: httpx.AsyncClient, url: str, model: str, req: BenchReq
         return RequestResult(False, error=repr(exc))
     if not stamps:
         return RequestResult(False, error="no tokens")
-    # One chunk may carry several tokens; with ignore_eos the count is exactly max_tokens.
-    return RequestResult(True, ttft=stamps[0] - start, e2e=stamps[-1] - start, output_tokens=req.max_tokens,
+    # One chunk may carry several tokens; with ignore_eos the count is exactly max_tokens. A peer without
+    # ignore_eos streams one token per chunk and may stop early.
+    tokens = req.max_tokens if server.ignore_eos else len(stamps)
+    return RequestResult(True, ttft=stamps[0] - start, e2e=stamps[-1] - start, output_tokens=tokens,
                          itls=list(np.diff(stamps)))
 
 
-async def run_rate(url: str, model: str, requests: list[BenchRequest], rate: float, seed: int,
+async def run_rate(server: ServerProcess, requests: list[BenchRequest], rate: float, seed: int,
                    timeout: float) -> tuple[list[RequestResult], float]:
-    """Open loop: request i is sent at its Poisson arrival time whatever the server is doing."""
+    """Open loop: request i is sent at its Poisson arrival time whatever the server is doing. Requests
+    still running `timeout` seconds after the first arrival count as failed."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, len(requests))) if rate > 0 else np.zeros(len(requests))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         start = time.perf_counter()
 
         async def fire(at: float, req: BenchRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            return await run_one(client, url, model, req)
+            return await run_one(client, server, req)
 
-        results = await asyncio.gather(*(fire(a, r) for a, r in zip(arrivals, requests, strict=True)))
-        return list(results), time.perf_counter() - start
+        tasks = [asyncio.ensure_future(fire(a, r)) for a, r in zip(arrivals, requests, strict=True)]
+        await asyncio.wait(tasks, timeout=timeout)
+        duration = time.perf_counter() - start
+        for task in tasks:
+            task.cancel()
+        results = [t.result() if t.done() and not t.cancelled() else RequestResult(False, error="timed out")
+                   for t in tasks]
+        return results, duration
 
 
 def summarize(server: str, rate: float, results: list[RequestResult], duration: float,
@@ -155,21 +167,26 @@ def summarize(server: str, rate: float, results: list[RequestResult], duration: 
 class ServerProcess:
     name: str
     cmd: list[str]
+    port: int = 0
+    token_prompts: bool = True  # takes token-id prompts (else the decoded text is sent)
+    ignore_eos: bool = True  # honours ignore_eos (else outputs may end early and chunks are counted)
+    env: dict | None = None
     url: str = ""
     model: str = ""
     proc: subprocess.Popen | None = None
 
-    def start(self, port: int, ready_timeout: float = 600.0) -> None:
-        self.url = f"http://127.0.0.1:{port}"
+    def start(self, ready_timeout: float = 600.0) -> None:
+        self.url = f"http://127.0.0.1:{self.port}"
         logger.info("starting %s: %s", self.name, " ".join(self.cmd))
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(self.env or {})})
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
+                    self.model = first_model(self.url)
                     return
             except httpx.HTTPError:
                 pass
@@ -184,6 +201,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def first_model(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def free_port() -> int:
@@ -207,7 +228,7 @@ def pagedserve_server(args: argparse.Namespace, port: int) -> ServerProcess:
     cmd = [sys.executable, "-m", "pagedserve.cli", "--log-level", "WARNING", "serve", "--port", str(port),
            "--disable-access-log", "--embedding-model", "none", "--max-num-seqs", str(args.max_num_seqs),
            *args.pagedserve_args]
-    return ServerProcess("pagedserve", cmd)
+    return ServerProcess("pagedserve", cmd, port)
 
 
 def llama_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
@@ -219,7 +240,22 @@ def llama_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
     cmd = [str(binary), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(args.max_num_seqs), "-c", str(ctx), "--no-repack", "-t", str(os.cpu_count() or 1),
            "--cont-batching", "--no-webui"]
-    return ServerProcess("llama-server", cmd)
+    return ServerProcess("llama-server", cmd, port)
+
+
+def transformers_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
+    """`transformers serve` with continuous batching, on the GGUF exported to a HF folder (bf16)."""
+    folder = Path(args.hf_folder)
+    if not (folder / "config.json").is_file():
+        logger.warning("no HF folder at %s (export it: benchmarks/peers/export_hf_folder.py)", folder)
+        return None
+    cmd = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
+           "--device", "cpu", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port), str(folder)]
+    return ServerProcess("transformers-serve", cmd, port, token_prompts=False, ignore_eos=False,
+                         env={"HF_HUB_OFFLINE": "1"})
+
+
+SERVERS = {"pagedserve": pagedserve_server, "llama-server": llama_server, "transformers": transformers_server}
 
 
 # ---- report ----
@@ -320,11 +356,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="pagedserve's max_num_seqs, and llama-server's number of slots")
     p.add_argument("--url", default=None, help="benchmark an already running pagedserve at this URL instead")
-    p.add_argument("--servers", default="pagedserve,llama-server", help="which servers to run, in order")
+    p.add_argument("--servers", default="pagedserve,llama-server",
+                   help="servers to run, one at a time, in order: pagedserve, llama-server, transformers")
     p.add_argument("--llama-server", default=str(REPO / "build/peers/llama.cpp/build/bin/llama-server"),
                    help="llama-server binary (benchmarks/peers/build_llama_server.sh builds it)")
     p.add_argument("--gguf", default=None, help="GGUF served by the peer (default: the packaged SmolLM2)")
-    p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout (s)")
+    p.add_argument("--hf-folder", default=str(REPO / "build/peers/smollm2-hf"),
+                   help="HF folder for `transformers serve` (benchmarks/peers/export_hf_folder.py writes it)")
+    p.add_argument("--rate-timeout", type=float, default=300.0,
+                   help="seconds one rate may run; requests unfinished by then count as failed")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md and the plot go")
     p.add_argument("--no-write", action="store_true", help="print the results only")
     p.add_argument("pagedserve_args", nargs="*", help="extra `pagedserve serve` flags (after --)")
@@ -345,33 +385,41 @@ def run(args: argparse.Namespace) -> list[RateResult]:
     requests = mix_workload(tokenizer, args.num_requests, args.seed)
     results: list[RateResult] = []
     for name in args.servers.split(","):
-        server = (pagedserve_server(args, free_port()) if name == "pagedserve"
-                  else llama_server(args, free_port()) if name == "llama-server" else None)
         if name == "pagedserve" and args.url:
             server = ServerProcess("pagedserve", [], url=args.url.rstrip("/"))
-            server.model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-        elif server is None:
-            continue
+            server.model = first_model(server.url)
         else:
-            server.start(int(server.cmd[server.cmd.index("--port") + 1]))
+            server = SERVERS[name](args, free_port())
+            if server is None:
+                continue
+            server.start()
         try:
-            asyncio.run(run_rate(server.url, server.model, requests[:4], 0.0, args.seed, args.timeout))  # warm-up
-            for i, rate in enumerate(rates):
-                res, duration = asyncio.run(run_rate(server.url, server.model, requests, rate, args.seed + i,
-                                                     args.timeout))
-                summary = summarize(name, rate, res, duration, args.ttft_slo, args.tpot_slo)
-                errors = {r.error for r in res if not r.ok}
-                logger.info("%s", json.dumps(asdict(summary)) + (f" errors: {errors}" if errors else ""))
-                results.append(summary)
+            results += bench_server(server, requests, rates, args)
         finally:
             server.stop()
     return results
+
+
+def bench_server(server: ServerProcess, requests: list[BenchRequest], rates: list[float],
+                 args: argparse.Namespace) -> list[RateResult]:
+    asyncio.run(run_rate(server, requests[:2], 0.0, args.seed, args.rate_timeout))  # warm-up
+    out = []
+    for i, rate in enumerate(rates):
+        res, duration = asyncio.run(run_rate(server, requests, rate, args.seed + i, args.rate_timeout))
+        summary = summarize(server.name, rate, res, duration, args.ttft_slo, args.tpot_slo)
+        errors = {r.error for r in res if not r.ok}
+        logger.info("%s", json.dumps(asdict(summary)) + (f" errors: {errors}" if errors else ""))
+        out.append(summary)
+        if summary.num_ok == 0:  # saturated beyond use: higher rates would only time out too
+            break
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     results = run(args)
     plot = args.docs / "serve_benchmark.png" if results and not args.no_write else None
     if plot is not None:
