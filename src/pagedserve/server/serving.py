@@ -52,22 +52,22 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
 
 async def start_streams(state: ServerState, request_id: str, prompts: list[str | list[int]],
                         params: SamplingParams, param: str = "prompt") -> list[RequestStream]:
-    """Adds one engine request per prompt; any bad prompt fails the whole call with a 400."""
-    streams: list[RequestStream] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(rid, prompt, params))
-    except ValueError as exc:
-        close_all(streams)
+    """Adds one engine request per prompt (all before the same step); any bad prompt fails the whole
+    call with a 400 and withdraws the others."""
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    added = await asyncio.gather(*(state.engine.add_request(rid, p, params) for rid, p in zip(ids, prompts)),
+                                 return_exceptions=True)
+    streams = [s for s in added if isinstance(s, RequestStream)]
+    errors = [e for e in added if isinstance(e, BaseException)]
+    if not errors:
+        return streams
+    close_all(streams)
+    exc = errors[0]
+    if isinstance(exc, ValueError):
         raise APIError(400, str(exc), param, _error_code(str(exc))) from exc
-    except EngineDeadError as exc:
-        close_all(streams)
+    if isinstance(exc, EngineDeadError):
         raise APIError(503, str(exc), code="engine_unavailable") from exc
-    except BaseException:
-        close_all(streams)
-        raise
-    return streams
+    raise exc
 
 
 def _error_code(message: str) -> str | None:
