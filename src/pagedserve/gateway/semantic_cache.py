@@ -89,7 +89,7 @@ def stale_reason(entry: CacheEntry, current: dict[str, str], now: float) -> str 
 
 class SemanticCache:
     def __init__(self, path: Path, dim: int, clock: Callable[[], float] = time.time, hnsw_m: int = 32,
-                 ef_search: int = 64, candidates: int = 4):
+                 ef_search: int = 128, candidates: int = 4):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.dim, self.clock, self.hnsw_m, self.ef_search, self.k = dim, clock, hnsw_m, ef_search, candidates
         self.lock = threading.Lock()
