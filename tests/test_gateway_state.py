@@ -12,7 +12,7 @@ from gateway_support import redis_server
 
 from pagedserve.gateway.auth import hash_key, mint_key
 from pagedserve.gateway.budget import BudgetExceeded, BudgetKeeper
-from pagedserve.gateway.gateway_config import BudgetConfig
+from pagedserve.gateway.gateway_config import BudgetConfig, GatewayConfig
 from pagedserve.gateway.limits import RateLimiter
 from pagedserve.gateway.store import NANO, Bucket, RedisStore, SQLiteStore
 
@@ -202,3 +202,18 @@ def test_sqlite_spend_survives_a_restart(tmp_path):
         hold = await reopened.reserve(key, 0.1)
         assert hold.spent_before == [pytest.approx(0.4), pytest.approx(0.4)]
     run(scenario())
+
+
+def test_config_is_checked_at_load():
+    base = {"providers": {"p": {"base_url": "http://x/v1/", "models": {"small": {"name": "m", "input": 1.0}}}},
+            "routes": {"r": {"small": ["p/small"]}}}
+    config = GatewayConfig.from_dict(base)
+    assert config.providers["p"].base_url == "http://x/v1" and config.providers["p"].timeout_s == 20.0
+    assert config.target_price(config.routes["r"].small[0]).cost(1_000_000, 0) == 1.0
+    for broken, message in [({"routes": {"r": {"small": ["q/small"]}}}, "unknown provider 'q'"),
+                            ({"routes": {"r": {"small": ["p/large"]}}}, "has no model 'large'"),
+                            ({"routes": {"r": {"small": ["p"]}}}, "must be 'provider/model'"),
+                            ({"timezone": "Mars/Olympus"}, "Mars"),
+                            ({"routes": {}}, "at least one route")]:
+        with pytest.raises((ValueError, KeyError), match=message):
+            GatewayConfig.from_dict({**base, **broken})

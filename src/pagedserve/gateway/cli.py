@@ -75,7 +75,11 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
 def _config(args: argparse.Namespace):
     from pagedserve.gateway.gateway_config import GatewayConfig
 
-    config = GatewayConfig.load(getattr(args, "config", None) or Path("gateway.yaml"))
+    path = getattr(args, "config", None) or Path("gateway.yaml")
+    try:
+        config = GatewayConfig.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise SystemExit(f"gateway config {path}: {e}") from None
     if getattr(args, "store", None):
         config.store = args.store
     return config
