@@ -1,0 +1,55 @@
+"""Benchmark workloads (W1, MIX, PREFIX, single stream) as token-id prompts, reproducible from a seed."""
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import dataclass
+
+# English prose that ships with every Python: the standard library's module documentation.
+CORPUS_MODULES = ["argparse", "asyncio", "collections", "csv", "datetime", "decimal", "email", "functools",
+                  "http.client", "inspect", "itertools", "json", "logging", "os", "pathlib", "pickle", "random",
+                  "re", "sqlite3", "statistics", "string", "subprocess", "threading", "typing", "unittest",
+                  "urllib.request", "zipfile"]
+
+
+@dataclass(slots=True)
+class Job:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def corpus_tokens(tokenizer) -> list[int]:
+    import importlib
+
+    parts = []
+    for name in CORPUS_MODULES:
+        mod = importlib.import_module(name)
+        parts.append(inspect.getdoc(mod) or "")
+        parts += [inspect.getdoc(getattr(mod, a)) or "" for a in sorted(dir(mod))[:40] if not a.startswith("_")]
+    return tokenizer.encode("\n\n".join(p for p in parts if p))
+
+
+def w1(tokens: list[int], num: int = 64, prompt_len: int = 128, output_len: int = 128) -> list[Job]:
+    """num requests of prompt_len tokens (different slices of one text), exactly output_len tokens each."""
+    stride = (len(tokens) - prompt_len) // num
+    return [Job(tokens[i * stride:i * stride + prompt_len], output_len) for i in range(num)]
+
+
+def mix(tokens: list[int], num: int = 128, seed: int = 0) -> list[Job]:
+    """Prompt lengths 64-512 and output lengths 16-256 drawn from a fixed seed."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(num):
+        plen, olen = rng.randint(64, 512), rng.randint(16, 256)
+        start = rng.randrange(0, len(tokens) - plen)
+        jobs.append(Job(tokens[start:start + plen], olen))
+    return jobs
+
+
+def prefix(tokens: list[int], num: int = 64, shared_len: int = 1024, suffix_len: int = 32,
+           output_len: int = 32) -> list[Job]:
+    """num requests sharing a shared_len-token system prompt plus a unique suffix_len-token tail."""
+    shared = tokens[:shared_len]
+    rest = tokens[shared_len:]
+    stride = (len(rest) - suffix_len) // num
+    return [Job(shared + rest[i * stride:i * stride + suffix_len], output_len) for i in range(num)]
