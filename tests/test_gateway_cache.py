@@ -54,6 +54,19 @@ def test_paraphrase_hits_and_similar_but_different_questions_miss(tmp_path, embe
         assert result.similarity is None or result.similarity < 0.95
 
 
+def test_questions_that_differ_only_in_numbers_never_share_an_answer(tmp_path, embedder):
+    cache = SemanticCache(tmp_path / "c.db", embedder.dim)
+    for text in ["Question 1: what is 1 minus 8?", "How many vacation days do I get in 2024?"]:
+        put(cache, embedder, "s", normalise(text))
+    for text, expected in [("Question 1: what is 8 minus 1?", "miss"), ("question 1: what is 1 minus 8", "hit"),
+                           ("How many vacation days do I get in 2025?", "miss"),
+                           ("how many vacation days do i get in 2024", "hit")]:
+        # The embedding alone puts each of these above 0.95 (0.96 and 0.98 for the misses) ...
+        assert cache.lookup("s", vec(embedder, text), 0.95, {}, None).result == "hit", text
+        # ... the number check keeps the wrong answer from being served.
+        assert cache.lookup("s", vec(embedder, text), 0.95, {}, None, normalise(text)).result == expected, text
+
+
 def test_tenants_and_parameters_scope_the_cache(tmp_path, embedder):
     cache = SemanticCache(tmp_path / "c.db", embedder.dim)
     hr = scope_key("hr", "hr-assistant", {"temperature": 0}, [])

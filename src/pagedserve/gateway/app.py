@@ -179,7 +179,7 @@ class Gateway:
         call.vector = await self.vector(call.query)
         threshold = call.route.cache_threshold or self.config.cache.threshold
         call.lookup = self.cache.lookup(call.scope, call.vector, threshold, call.versions,
-                                        req.max_completion_tokens or req.max_tokens)
+                                        req.max_completion_tokens or req.max_tokens, normalise(call.query))
         trace.cache, trace.cache_similarity = call.lookup.result, call.lookup.similarity
         trace.stale_reason = call.lookup.stale_reason
 

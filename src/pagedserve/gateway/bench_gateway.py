@@ -105,21 +105,27 @@ def paired_calls(server: str, gateway: str, token: str, model: str, n: int) -> d
     import httpx
 
     direct, through = [], []
+    headers = {"authorization": f"Bearer {token}"}
     with httpx.Client(timeout=60) as c:
-        for i in range(n + 5):  # the first 5 pairs warm up connections and caches
-            body = {"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i * 7}?"}],
-                    "max_tokens": 1, "temperature": 0}
-            t0 = time.perf_counter()
-            c.post(server + "/v1/chat/completions", json={**body, "model": model}).raise_for_status()
-            t1 = time.perf_counter()
-            r = c.post(gateway + "/v1/chat/completions", json={**body, "model": "bench"},
-                       headers={"authorization": f"Bearer {token}"})
-            t2 = time.perf_counter()
+        def timed(url: str, name: str, text: str, auth: dict) -> float:
+            body = {"model": name, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}
+            t = time.perf_counter()
+            r = c.post(url + "/v1/chat/completions", json=body, headers=auth)
+            elapsed = (time.perf_counter() - t) * 1000
             r.raise_for_status()
-            assert r.headers["x-gateway-cache"] in ("miss", "off"), r.headers["x-gateway-cache"]
+            assert r.headers.get("x-gateway-cache", "miss") in ("miss", "off"), r.headers["x-gateway-cache"]
+            return elapsed
+        for i in range(n + 5):  # the first 5 pairs warm up connections and caches
+            # Different prompts of the same shape (no prefix-cache help for either), alternating order.
+            to_engine = (server, model, f"Question {i}: what is {i} plus {i + 7}?", {})
+            to_gateway = (gateway, "bench", f"Question {i}: what is {i} minus {i + 7}?", headers)
+            if i % 2 == 0:
+                d, t = timed(*to_engine), timed(*to_gateway)
+            else:
+                t, d = timed(*to_gateway), timed(*to_engine)
             if i >= 5:
-                direct.append((t1 - t0) * 1000)
-                through.append((t2 - t1) * 1000)
+                direct.append(d)
+                through.append(t)
         traces = c.get(gateway + "/admin/traces", params={"limit": n}, headers={"authorization": "Bearer bench"})
     diffs = [t - d for d, t in zip(direct, through)]  # per pair: the engine's own variance mostly cancels
     inside = [t["latency_ms"] - sum(a["latency_ms"] for a in t["attempts"]) for t in traces.json()["data"]]
@@ -198,7 +204,7 @@ def replay(args: argparse.Namespace, tmp: Path, embedder, questions: list[str]) 
                 version += 1
             current = {"hr-policy": str(version)}
             text = normalise(VARIANTS[v](questions[q]))
-            result = cache.lookup("scope", vector_of[text], threshold, current, None)
+            result = cache.lookup("scope", vector_of[text], threshold, current, None, text)
             if result.result == "hit":
                 counts["hit"] += 1
                 counts["false_hit"] += result.entry.response["question"] != int(q)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -31,8 +32,16 @@ SCOPE_FREE_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completio
                      "stream_options", "user", "route", "sources", "cache"}
 
 
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
 def normalise(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).lower().split())
+
+
+def same_numbers(a: str, b: str) -> bool:
+    """Embeddings barely see digits ("what is 1 minus 8" ~ "what is 5 minus 12"): numbers must match exactly."""
+    return NUMBER.findall(a) == NUMBER.findall(b)
 
 
 def scope_key(tenant: str, route: str, body: dict, context: list) -> str:
@@ -128,8 +137,10 @@ class SemanticCache:
         for offset, entry_id in enumerate(entry_ids):
             self.positions[entry_id] = (scope, start + offset)
 
-    def search(self, scope: str, vector: np.ndarray, max_tokens: int | None) -> tuple[CacheEntry | None, float]:
-        """The nearest live entry of the scope that fits the request, and its cosine similarity."""
+    def search(self, scope: str, vector: np.ndarray, max_tokens: int | None,
+               query: str | None = None) -> tuple[CacheEntry | None, float]:
+        """The nearest live entry of the scope that fits the request (and, given the query, has the same
+        numbers in it), and its cosine similarity."""
         with self.lock:
             s = self.scopes.get(scope)
             if s is None or len(s.dead) == len(s.entry_ids):
@@ -139,13 +150,13 @@ class SemanticCache:
                     if pos >= 0 and pos not in s.dead]
         for sim, entry_id in sorted(hits, reverse=True):
             entry = self.get(entry_id)
-            if entry is not None and entry.fits(max_tokens):
+            if entry is not None and entry.fits(max_tokens) and (query is None or same_numbers(query, entry.query)):
                 return entry, sim
         return None, 0.0
 
     def lookup(self, scope: str, vector: np.ndarray, threshold: float, current: dict[str, str],
-               max_tokens: int | None) -> Lookup:
-        entry, similarity = self.search(scope, vector, max_tokens)
+               max_tokens: int | None, query: str | None = None) -> Lookup:
+        entry, similarity = self.search(scope, vector, max_tokens, query)
         if entry is None or similarity < threshold:
             return Lookup("miss", None, round(similarity, 4) if entry else None)
         reason = stale_reason(entry, current, self.clock())
