@@ -323,6 +323,8 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "word " * 1500, "max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**7], "min_tokens": 2}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "model": EMBED_MODEL}, 400, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -359,6 +361,9 @@ def test_invalid_requests(server, path, body, status, param):
     (b'{"prompt": "\xff\xfe"}', "application/json", 400),  # invalid UTF-8
     (b'["prompt"]', "application/json", 400),  # not an object
     (b"", "application/json", 400),  # empty body
+    (b'{"prompt": "x", "temperature": NaN}', "application/json", 400),  # Python's json would take NaN
+    (b'{"prompt": "x", "repetition_penalty": Infinity}', "application/json", 400),
+    (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "application/json", 400),  # deep nesting
     (b'{"prompt": "x"}', "text/plain", 400),  # not declared as JSON
     (b'{"prompt": "x", "max_tokens": 1}', None, 200),  # no Content-Type at all: read as JSON
 ])

@@ -48,7 +48,7 @@ async def create_chat_completion(state: ServerState,
                             "only 'text' is (no constrained decoding)", "response_format")
     prompt = render_prompt(state, req.messages, req.add_generation_prompt)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, req.max_completion_tokens or req.max_tokens, top)
+    params = sampling_params(state, req, req.max_completion_tokens or req.max_tokens, top)
     request_id = random_id("chatcmpl")
     streams = await start_streams(state, request_id, [prompt], params, "messages")
     if req.stream:

@@ -40,7 +40,7 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Compl
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
     prompts = prompt_list(req.prompt)
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    params = sampling_params(state, req, req.max_tokens, req.logprobs)
     request_id = random_id("cmpl")
     streams = await start_streams(state, request_id, prompts, params)
     if req.stream:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # the engine keeps seeds in int64
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
 
@@ -18,7 +19,7 @@ def random_id(prefix: str) -> str:
 class StrictModel(BaseModel):
     """Requests reject fields they don't know (OpenAI does too), so nothing is silently ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # ---- errors ----
@@ -52,7 +53,7 @@ class SamplingFields(StrictModel):
     repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM extra")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extra")
     ignore_eos: bool = Field(False, description="vLLM extra")

@@ -35,8 +35,12 @@ class ServerState:
         raise APIError(404, f"The model '{requested}' does not exist.", "model", "model_not_found")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    vocab = getattr(state.engine.tokenizer, "vocab_size", None)
+    if vocab is not None and any(t >= vocab for t in req.stop_token_ids or []):
+        raise APIError(400, f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
     try:
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
