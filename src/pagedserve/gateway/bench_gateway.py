@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import platform
 import re
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.gateway.classify import load_examples
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     load_before = os.getloadavg()[0]
     torch.set_num_threads(1)
     embedder = Embedder.load()
