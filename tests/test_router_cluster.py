@@ -142,6 +142,8 @@ def test_router_endpoints_and_errors(replicas, tmp_path):
         assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
         health = httpx.get(router.url + "/health").json()
         assert health["status"] == "ok" and len(health["replicas"]) == 2
+        blocks = metric_sum(replicas[0], "pagedserve_kv_blocks_total")
+        assert health["replicas"][0]["kv_tokens"] == blocks * 16  # sizes its prefix-index budget
         bad = httpx.post(router.url + "/v1/completions", content=b"{not json")
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
         nowhere = httpx.post(router.url + "/v1/completions", headers={"x-residency": "ap"},

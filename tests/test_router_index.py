@@ -74,6 +74,15 @@ def test_remove_replica_forgets_only_it():
     assert index.size("r0") == 0
 
 
+def test_per_replica_budget_overrides_the_default():
+    index = PrefixIndex(max_size_per_replica=1000)
+    index.budgets["small"] = 20
+    for i in range(5):
+        index.insert(f"{i} " + "x" * 15, "small")
+        index.insert(f"{i} " + "x" * 15, "large")
+    assert index.size("small") <= 20 and index.size("large") == 5 * 17
+
+
 def test_token_id_keys():
     index = PrefixIndex()
     index.insert((1, 2, 3, 4), "r0")

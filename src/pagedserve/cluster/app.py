@@ -79,6 +79,7 @@ def routing_request(endpoint: str, payload: dict, headers, config: ClusterConfig
 @dataclass(slots=True)
 class Failure:
     reason: str
+    busy_response: Response | None = None  # a replica's own 429/503, returned if every replica is busy
 
 
 def create_app(config: ClusterConfig) -> FastAPI:
@@ -149,11 +150,14 @@ async def proxy(request: Request, endpoint: str) -> Response:
     headers = {k: v for k, v in request.headers.items() if k.lower() not in DROPPED_HEADERS}
     tried: list[str] = []
     failures: list[str] = []
+    busy: Response | None = None
     for _ in range(config.max_attempts):
         try:
             decision = router.select(req, residency=residency, client_region=client_region, model=model,
                                      exclude=tried)
         except NoReplicaError as exc:
+            if busy is not None:
+                return busy
             router.metrics.rejections.labels(",".join(sorted(residency)) or "-").inc()
             detail = f"; failures: {' | '.join(failures)}" if failures else ""
             return error_response(503, exc.reason + detail, code="no_replica")
@@ -163,10 +167,12 @@ async def proxy(request: Request, endpoint: str) -> Response:
         if not isinstance(result, Failure):
             return result
         failures.append(f"{replica.name}: {result.reason}")
+        busy = result.busy_response or busy
         router.metrics.failovers.labels(replica.name, result.reason.split(":")[0]).inc()
         log.warning("request failed on %s (%s); trying another replica", replica.name, result.reason)
-    return error_response(503, f"gave up after {len(tried)} attempts: {' | '.join(failures)}",
-                          code="replicas_failed")
+    scope = f" on replicas satisfying residency {sorted(residency)}" if residency else ""
+    return busy or error_response(503, f"gave up after {len(tried)} attempts{scope}: {' | '.join(failures)}",
+                                  code="replicas_failed")
 
 
 async def _attempt(router: Router, replica: Replica, endpoint: str, body: bytes, headers: dict,
@@ -214,13 +220,13 @@ def _finish_plain(router: Router, replica: Replica, endpoint: str, upstream: htt
     if status in RETRY_WITH_PENALTY:
         router.health.request_failed(replica, f"answered {status}", fatal=False)
         return Failure(f"status {status}: {content[:200].decode(errors='replace')}")
+    response = Response(content, status_code=status, media_type=upstream.headers.get("content-type"),
+                        headers={REPLICA_HEADER: replica.name})
     if status in RETRY_WITHOUT_PENALTY:
-        return Failure(f"status {status}: {content[:200].decode(errors='replace')}")
+        return Failure(f"status {status}: {content[:200].decode(errors='replace')}", response)
     router.health.request_succeeded(replica)
     router.metrics.requests.labels(replica.name, endpoint, str(status)).inc()
-    headers = {REPLICA_HEADER: replica.name}
-    return Response(content, status_code=status, media_type=upstream.headers.get("content-type"),
-                    headers=headers)
+    return response
 
 
 async def _relay(router: Router, replica: Replica, endpoint: str, upstream: httpx.Response, chunks,

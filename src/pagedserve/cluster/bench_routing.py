@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
 import platform
 import random
 import statistics
@@ -31,7 +33,6 @@ from pagedserve.cluster.launcher import LocalCluster, free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[3]
 SECTION = "## Routing policies (benchmarks/routing.py)"
-CALIBRATION = REPO / "docs" / "routing_calibration.json"
 WORDS = ("account", "invoice", "refund", "shipping", "warranty", "policy", "customer", "order", "delivery", "return", "support", "agent", "product", "manual", "battery", "screen", "charger", "network", "router", "modem", "password", "login", "security", "privacy", "contract", "renewal", "discount", "premium", "basic", "plan", "upgrade", "downgrade", "billing", "cycle", "payment", "card", "bank", "transfer", "receipt", "tax", "region", "store", "opening", "hours", "holiday", "weekend", "schedule", "manager", "escalate", "ticket", "priority", "urgent", "normal", "low", "response", "time", "apology", "thanks", "greeting", "closing")
 
 
@@ -172,8 +173,8 @@ def report(results: list[PolicyResult], args: argparse.Namespace, calibration: d
     rows = [r.row() for r in results]
     base = next((r for r in rows if r["policy"] == "round_robin"), rows[0])
     lines = [SECTION, "",
-             f"Command: `pagedserve bench routing {' '.join(args.argv)}`  ",
-             (f"Machine: {platform.machine()}, {args.cpus} CPU cores shared with other work, no GPU; "
+             f"Command: `pagedserve bench routing {command_line(args)}`  ",
+             (f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with other work, no GPU; "
              f"{args.replicas} replicas of SmolLM2-135M-Instruct (1 thread, {args.kv_cache_memory} KV pool each); "
              f"date {datetime.now(UTC):%Y-%m-%d}.  "),
              (f"Workload: {args.tenants} tenants x {args.users} users x {args.turns} turns, "
@@ -195,6 +196,11 @@ def report(results: list[PolicyResult], args: argparse.Namespace, calibration: d
     return "\n".join(lines) + "\n"
 
 
+def command_line(args: argparse.Namespace) -> str:
+    flags = ("replicas", "tenants", "users", "turns", "system_tokens", "max_tokens", "concurrency", "kv_cache_memory")
+    return " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in flags)
+
+
 def write_section(doc: Path, section: str) -> None:
     """Replaces this benchmark's section of docs/benchmarks.md, leaving the others alone."""
     import re
@@ -207,36 +213,25 @@ def write_section(doc: Path, section: str) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pagedserve bench routing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--policies", default="round_robin,least_load,prefix_affinity")
-    p.add_argument("--tenants", type=int, default=16)
-    p.add_argument("--users", type=int, default=2, help="users (conversations) per tenant")
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--system-tokens", type=int, default=1000)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--kv-cache-memory", default="128MiB",
-                   help="per replica: room for a few tenants' prompts, not all of them")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--simulate", action="store_true",
-                   help="only the simulation (uses the last calibration in docs/routing_calibration.json)")
-    p.add_argument("--docs", type=Path, default=REPO / "docs")
-    args = p.parse_args(argv)
-    args.argv = argv
-    import os
-    args.cpus = os.cpu_count()
-    return args
+    from pagedserve.cluster.cli import add_bench_args
+
+    parser = argparse.ArgumentParser(prog="benchmarks/routing.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_args(parser)
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.routing_sim import DEFAULT_CALIBRATION, simulation_report
 
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.simulate:
-        calibration = json.loads(CALIBRATION.read_text()) if CALIBRATION.is_file() else DEFAULT_CALIBRATION
+        saved = args.docs / "routing_calibration.json"
+        calibration = json.loads(saved.read_text()) if saved.is_file() else DEFAULT_CALIBRATION
         print(simulation_report(calibration, args.seed))
         return 0
     serve_args = ["--kv-cache-memory", args.kv_cache_memory, "--num-threads", "1", "--max-num-seqs", "16",
@@ -250,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policies.split(","):
             results.append(run_policy(policy, urls, model, args))
             print(json.dumps(results[-1].row()), flush=True)
-    CALIBRATION.write_text(json.dumps(calibration, indent=1) + "\n")
+    (args.docs / "routing_calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
     sim = simulation_report(calibration, args.seed)
     section = report(results, args, calibration, sim)
     print(section)

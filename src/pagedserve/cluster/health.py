@@ -14,8 +14,12 @@ import time
 from collections.abc import Callable
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.cluster.replica import Replica
+from pagedserve.config import EngineConfig
+
+BLOCK_TOKENS = EngineConfig().block_size  # replicas do not publish theirs; the default is assumed
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +57,20 @@ class HealthMonitor:
         if ok:
             replica.observe_latency((time.perf_counter() - start) * 1000)
             if not replica.models:
-                await self._load_models(replica)
+                await self._load_info(replica)
             self._probe_succeeded(replica)
         else:
             self._probe_failed(replica, reason)
 
-    async def _load_models(self, replica: Replica) -> None:
+    async def _load_info(self, replica: Replica) -> None:
+        """What the replica serves and how large its KV pool is (for the prefix index's budget)."""
         try:
             response = await self.client.get(replica.url + "/v1/models", timeout=self.timeout_s)
             replica.models = [m["id"] for m in response.json().get("data", [])]
+            metrics = await self.client.get(replica.url + "/metrics", timeout=self.timeout_s)
+            blocks = sum(s.value for f in text_string_to_metric_families(metrics.text) for s in f.samples
+                         if s.name == "pagedserve_kv_blocks_total")
+            replica.kv_tokens = int(blocks * BLOCK_TOKENS) or None
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
             replica.models = []
 

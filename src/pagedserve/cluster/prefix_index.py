@@ -38,6 +38,7 @@ class PrefixIndex:
     def __init__(self, max_size_per_replica: int = 1_000_000) -> None:
         self.root = _Node((), None)
         self.max_size = max_size_per_replica
+        self.budgets: dict[str, int] = {}  # replica -> its own budget, when known
         self.sizes: dict[str, int] = {}  # replica -> total edge length it holds
         self._clock = itertools.count()
 
@@ -76,8 +77,9 @@ class PrefixIndex:
             child.last_used[replica] = now
             depth += len(child.edge)
             node = child
-        if self.sizes.get(replica, 0) > self.max_size:
-            self._evict(replica, int(self.max_size * 0.9))
+        budget = self.budgets.get(replica, self.max_size)
+        if self.sizes.get(replica, 0) > budget:
+            self._evict(replica, int(budget * 0.9))
 
     def remove_replica(self, replica: str) -> None:
         """Forgets everything a replica held (it restarted or left)."""

@@ -18,6 +18,7 @@ class Replica:
     inflight_tokens: int = 0
     latency_ms: float | None = None  # EWMA of measured probe round-trips
     models: list[str] = field(default_factory=list)
+    kv_tokens: int | None = None  # size of its KV pool, from its /metrics
 
     def start_request(self, tokens: int) -> None:
         self.inflight_requests += 1
@@ -36,5 +37,5 @@ class Replica:
             "healthy": self.healthy, "reason": "" if self.healthy else self.ejected_reason,
             "inflight_requests": self.inflight_requests, "inflight_tokens": self.inflight_tokens,
             "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 2),
-            "models": self.models,
+            "models": self.models, "kv_tokens": self.kv_tokens,
         }

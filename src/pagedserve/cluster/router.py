@@ -19,6 +19,8 @@ from pagedserve.cluster.replica import Replica
 
 log = logging.getLogger(__name__)
 
+CHARS_PER_TOKEN = 4  # the prefix index counts characters; English BPE averages about four per token
+
 
 class NoReplicaError(Exception):
     def __init__(self, reason: str) -> None:
@@ -86,3 +88,5 @@ class Router:
     def _readmitted(self, replica: Replica) -> None:
         self.metrics.readmissions.labels(replica.name).inc()
         self.policy.forget(replica)  # whatever it held before is not to be trusted now
+        if isinstance(self.policy, PrefixAffinity) and replica.kv_tokens:
+            self.policy.index.budgets[replica.name] = replica.kv_tokens * CHARS_PER_TOKEN
