@@ -266,7 +266,7 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
         SECTION, "",
         f"Command: `pagedserve bench serve {' '.join(args.argv)}`".rstrip(),
         (f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
-        "note: the cores were shared with other work while this ran, so absolute numbers are noisy."),
+        "note: the cores are shared with other work; compare the ratios within one run."),
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         (f"Workload: MIX ({args.num_requests} requests per rate, prompts 64-512 tokens, outputs 16-256, greedy, "
         f"ignore_eos), open-loop Poisson arrivals, streamed /v1/completions. "
@@ -290,18 +290,21 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
 
 
 def _ratios(results: list[RateResult]) -> list[str]:
-    peak = {}
+    goodput: dict[str, float] = {}
+    tok_s: dict[str, float] = {}
     for r in results:
-        peak[r.server] = max(peak.get(r.server, (0.0, 0.0)), (r.goodput, r.output_tok_s))
-    if "pagedserve" not in peak:
+        goodput[r.server] = max(goodput.get(r.server, 0.0), r.goodput)
+        tok_s[r.server] = max(tok_s.get(r.server, 0.0), r.output_tok_s)
+    if "pagedserve" not in goodput:
         return []
-    ours = peak["pagedserve"]
-    out = [f"Peak goodput: pagedserve {ours[0]:.2f} req/s, peak output throughput {ours[1]:.0f} tok/s."]
-    for name, (goodput, tok_s) in peak.items():
+    ours_g, ours_t = goodput["pagedserve"], tok_s["pagedserve"]
+    out = [f"Peak goodput: pagedserve {ours_g:.2f} req/s; peak output throughput {ours_t:.0f} tok/s."]
+    for name, peer_g in goodput.items():
         if name != "pagedserve":
-            g = f"{ours[0] / goodput:.2f}x" if goodput > 0 else "inf (peer had no request within SLO)"
-            out.append(f"Against {name}: peak goodput {goodput:.2f} req/s (pagedserve/{name} = {g}), "
-                       f"peak output throughput {tok_s:.0f} tok/s (ratio {ours[1] / max(tok_s, 1e-9):.2f}x).")
+            g = f"{ours_g / peer_g:.2f}x" if peer_g > 0 else "inf (peer met the SLO for no request)"
+            out.append(f"Against {name}: peak goodput {peer_g:.2f} req/s (pagedserve/{name} = {g}), "
+                       f"peak output throughput {tok_s[name]:.0f} tok/s "
+                       f"(pagedserve/{name} = {ours_t / max(tok_s[name], 1e-9):.2f}x).")
     return out
 
 
