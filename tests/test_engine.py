@@ -1,6 +1,7 @@
 """Engine behaviour: seeds, stop strings, n > 1, abort, logprobs, detokenization and bad input."""
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -118,13 +119,15 @@ def test_incremental_detokenizer_multibyte(llm):
         seen.append(detok.output_text(False))
     assert detok.text == text
     assert all("\ufffd" not in s for s in seen)
-    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(seen))
 
 
 @pytest.mark.parametrize("prompt, params, message", [
     ("", SamplingParams(), "empty"),
     ("hi " * 9000, SamplingParams(max_tokens=4), "maximum context length"),
     ([10**7], SamplingParams(), "token ids"),
+    ("hi", SamplingParams(stop_token_ids=[10**7], min_tokens=1, max_tokens=2), "stop_token_ids"),
+    ("hi", SamplingParams(seed=2**70), "seed"),
 ])
 def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):

@@ -21,7 +21,7 @@ class EngineConfig:
     seed: int = 0
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 

@@ -16,9 +16,12 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     add_engine_args(gen)
     gen.set_defaults(func=generate)
 
+    from pagedserve.engine.bench_throughput import __doc__ as doc
+    from pagedserve.engine.bench_throughput import add_arguments
+
     tp = bench.add_parser("throughput", help="offline throughput: W1, MIX, PREFIX, single stream vs transformers",
-                          description="Run benchmarks/throughput.py (see its --help).")
-    tp.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to benchmarks/throughput.py")
+                          description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(tp)
     tp.set_defaults(func=bench_throughput)
 
 
@@ -63,10 +66,6 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def bench_throughput(args: argparse.Namespace) -> int:
-    import runpy
-    from pathlib import Path
+    from pagedserve.engine.bench_throughput import run
 
-    script = Path(__file__).resolve().parents[3] / "benchmarks" / "throughput.py"
-    sys.argv = [str(script), *args.bench_args]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    return run(args)

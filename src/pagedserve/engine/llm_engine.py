@@ -12,7 +12,7 @@ from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache import KVCacheManager
 from pagedserve.engine.model_runner import ModelRunner
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.model.llama import LlamaForCausalLM
@@ -114,6 +114,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.seed is not None and not -2**63 <= params.seed < 2**63:
+            raise ValueError("seed must fit in a signed 64-bit integer")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                              f"{self.max_model_len} tokens, including the output")

@@ -26,12 +26,12 @@ class SamplingBatch:
     steps: torch.Tensor  # [S] long: output position of the token being drawn
     all_greedy: bool
     need_sort: bool  # some row uses top_k or top_p
-    penalties: "Penalties | None"
+    penalties: Penalties | None
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked out, e.g. EOS before min_tokens
     max_logprobs: int | None  # largest number of alternatives asked for; None: no row wants logprobs
 
     @classmethod
-    def build(cls, reqs: list[Request], vocab_size: int) -> "SamplingBatch":
+    def build(cls, reqs: list[Request], vocab_size: int) -> SamplingBatch:
         ps = [r.params for r in reqs]
         temps = [0.0 if p.greedy else p.temperature for p in ps]
         top_k = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in ps]
@@ -66,7 +66,7 @@ class Penalties:
     prompt_ids: torch.Tensor  # [P, L'] long, padded with -1
 
     @classmethod
-    def build(cls, reqs: list[Request]) -> "Penalties | None":
+    def build(cls, reqs: list[Request]) -> Penalties | None:
         rows = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0
                 or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
         if not rows:

@@ -25,6 +25,6 @@ def cpu_kernels():
         return load(name="pagedserve_cpu_kernels", sources=[str(CSRC / "paged_attention.cpp")],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-    except Exception as e:  # a missing compiler or headers: the torch path still works
+    except Exception as e:  # noqa: BLE001 -- a missing compiler or headers: the torch path still works
         logger.warning("C++ attention kernel unavailable (%s); using the PyTorch path", e)
         return None

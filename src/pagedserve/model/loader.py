@@ -135,9 +135,9 @@ def convert_gguf(path: Path) -> LoadedModel:
         if name is None:
             continue
         w = torch.from_numpy(dequantize(t))
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute(w, config.num_attention_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute(w, config.num_key_value_heads)
         weights[name] = w
     if "lm_head.weight" not in weights:

@@ -33,7 +33,7 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, cfg: dict, name: str) -> "ModelConfig":
+    def from_hf(cls, cfg: dict, name: str) -> ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         arch = cfg.get("model_type", "llama")

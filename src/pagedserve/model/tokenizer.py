@@ -7,7 +7,8 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte.
 CONTROL, USER_DEFINED = 3, 4
@@ -52,7 +53,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' for now)")
@@ -77,7 +78,7 @@ class Tokenizer:
                    meta.get("tokenizer.chat_template"), bool(meta.get("tokenizer.ggml.add_bos_token", False)))
 
     @classmethod
-    def from_folder(cls, folder: Path, eos_token_ids: list[int], bos_token_id: int | None) -> "Tokenizer":
+    def from_folder(cls, folder: Path, eos_token_ids: list[int], bos_token_id: int | None) -> Tokenizer:
         backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
