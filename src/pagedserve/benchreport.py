@@ -21,10 +21,15 @@ def machine_line() -> str:
 
 def write_section(title: str, body: str, doc: Path = DOC) -> None:
     """Replaces the '## title' section of the document (other sections are left alone)."""
+    replace_section(f"## {title}\n\n{body.strip()}\n", doc)
+
+
+def replace_section(section: str, doc: Path = DOC) -> None:
+    """section starts with its '## ' heading line; the section under that heading is replaced."""
     doc.parent.mkdir(parents=True, exist_ok=True)
     text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    section = f"## {title}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    heading = section.split("\n", 1)[0]
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text)
     else:

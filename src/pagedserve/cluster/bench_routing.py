@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.benchreport import replace_section
 from pagedserve.cluster.launcher import LocalCluster, free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[3]
@@ -201,16 +202,6 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in flags)
 
 
-def write_section(doc: Path, section: str) -> None:
-    """Replaces this benchmark's section of docs/benchmarks.md, leaving the others alone."""
-    import re
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else (
-        text.rstrip("\n") + "\n\n" + section)
-    doc.write_text(text)
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from pagedserve.cluster.cli import add_bench_args
@@ -249,5 +240,5 @@ def run(args: argparse.Namespace) -> int:
     sim = simulation_report(calibration, args.seed)
     section = report(results, args, calibration, sim)
     print(section)
-    write_section(args.docs / "benchmarks.md", section)
+    replace_section(section, args.docs / "benchmarks.md")
     return 0

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+
+from pagedserve.benchreport import replace_section
 
 SECTION = "## Gateway"
 REPO = Path(__file__).resolve().parents[3]
@@ -259,15 +260,6 @@ def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) 
     return "\n".join(out) + "\n"
 
 
-def write_section(doc: Path, section: str) -> None:
-    """Replaces this benchmark's section of docs/benchmarks.md, leaving the others alone."""
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else (
-        text.rstrip("\n") + "\n\n" + section)
-    doc.write_text(text)
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pagedserve bench gateway", description=__doc__,
@@ -313,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"replay threshold {r['threshold']}: hit {r['hit']:.1%}, false {r['false_hit']:.1%}, "
                   f"stale {r['stale']:.1%}, exact-match hit {r['exact_hit']:.1%}", flush=True)
     section = render(args, rows, scale, replay_rows, (load_before, os.getloadavg()[0]))
-    write_section(args.docs / "benchmarks.md", section)
+    replace_section(section, args.docs / "benchmarks.md")
     print(section)
     return 0
 

@@ -14,7 +14,6 @@ import logging
 import os
 import platform
 import random
-import re
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from pagedserve.benchreport import replace_section
 
 logger = logging.getLogger(__name__)
 
@@ -336,15 +337,6 @@ def plot_results(results: list[RateResult], path: Path) -> None:
     plt.close(fig)
 
 
-def write_section(doc: Path, section: str) -> None:
-    """Replaces this benchmark's section of docs/benchmarks.md (other sections are left alone)."""
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else (
-        text.rstrip("\n") + "\n\n" + section)
-    doc.write_text(text)
-
 
 # ---- main ----
 
@@ -431,5 +423,5 @@ def main(argv: list[str] | None = None) -> int:
     section = report_markdown(results, args, plot)
     print(section)
     if not args.no_write:
-        write_section(args.docs / "benchmarks.md", section)
+        replace_section(section, args.docs / "benchmarks.md")
     return 0
