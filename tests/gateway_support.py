@@ -5,36 +5,21 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Self
 
 import httpx
 import yaml
 
+from pagedserve.cluster.launcher import free_port
+from tests.polling import wait_for
+
 TESTS = Path(__file__).parent
 # Small replicas: two share 2 cores, one thread each.
 SERVER_ARGS = ["--kv-cache-memory", "32MiB", "--max-num-seqs", "8", "--num-threads", "1", "--max-model-len", "1024",
                "--embedding-model", "none", "--disable-access-log"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 class Process:

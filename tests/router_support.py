@@ -7,7 +7,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Self
 
@@ -16,20 +15,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.cluster.launcher import free_port
+from tests.polling import wait_for
 
 # Small replicas: 2 share 2 cores, one thread each.
 REPLICA_ARGS = ["--kv-cache-memory", "32MiB", "--max-num-seqs", "8", "--num-threads", "1",
                 "--max-model-len", "1024", "--embedding-model", "none", "--disable-access-log"]
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def router_command(config_path: Path, port: int) -> list[str]:
