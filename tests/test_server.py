@@ -2,10 +2,6 @@
 driven by the official `openai` client and raw httpx where the client would hide the HTTP details."""
 import asyncio
 import base64
-import os
-import re
-import subprocess
-import sys
 import time
 
 import httpx
@@ -15,6 +11,7 @@ import pytest
 
 from pagedserve.llm import LLM
 from pagedserve.sampling_params import SamplingParams
+from tests.server_support import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 EMBED_MODEL = "all-MiniLM-L6-v2"
@@ -26,41 +23,11 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def add(
 
 @pytest.fixture(scope="module")
 def server():
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--dtype", "float32",
-           "--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
-           "--max-request-size", "1MiB", "--disable-access-log"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url, lines = None, []
-    try:
-        deadline = time.monotonic() + 180
-        while url is None:
-            line = proc.stdout.readline()
-            lines.append(line)
-            assert line or proc.poll() is None, "server exited:\n" + "".join(lines)
-            assert time.monotonic() < deadline, "no URL printed:\n" + "".join(lines)
-            if m := re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)", line):
-                url = m.group(1)
-        assert "curl" in proc.stdout.readline() + proc.stdout.readline() + proc.stdout.readline()
-        while True:  # the socket is bound before the app starts: poll until healthy
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server never became healthy"
-            time.sleep(0.2)
-        # Drain the log so the pipe never fills and blocks the server.
-        drain = subprocess.Popen(["cat"], stdin=proc.stdout, stdout=subprocess.DEVNULL)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    drain.wait(10)
+    srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN),
+                         "--api-key", API_KEY, "--max-request-size", "1MiB"])
+    assert "curl" in srv.banner
+    yield srv.url
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

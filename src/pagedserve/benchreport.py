@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -17,6 +19,12 @@ def machine_line() -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"Machine: {cpu}, {os.cpu_count()} cores, CPU only, load average {load} at the end. "
             f"Date: {datetime.now():%Y-%m-%d %H:%M}.")
+
+
+def command_line() -> str:
+    """How this process was started, as `pagedserve ...` when it came through the CLI."""
+    prog = "pagedserve" if sys.argv[0].endswith(("pagedserve", "cli.py")) else Path(sys.argv[0]).name
+    return shlex.join([prog, *sys.argv[1:]])
 
 
 def write_section(title: str, body: str, doc: Path = DOC) -> None:

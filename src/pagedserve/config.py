@@ -16,6 +16,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    preemption_protect_after: int = 3  # a request preempted this often is preempted last
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     attention_backend: str = "cpp"  # cpp: our C++ paged decode kernel (PyTorch fallback); torch: PyTorch only
     seed: int = 0
@@ -47,6 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step (prefill chunks and decodes together)")
+    g.add_argument("--preemption-protect-after", type=int, default=d.preemption_protect_after,
+                   help="a request preempted this many times is chosen last as a victim (anti-thrashing)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn automatic prefix caching off")
     g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads (default: all cores)")

@@ -39,6 +39,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -83,7 +84,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, loaded.config, self.dtype, num_blocks, config.block_size,
                                   use_kernel=config.attention_backend == "cpp")
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.preemption_protect_after)
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, tuple[RequestGroup, int]] = {}
         self.rng = random.Random(config.seed)
@@ -161,7 +163,8 @@ class LLMEngine:
         kv = self.kv.stats()
         return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, kv.blocks_total, kv.blocks_used,
                            kv.blocks_cached, kv.hit_tokens, kv.query_tokens, self.scheduler.num_preemptions,
-                           self.prompt_tokens_total, self.generation_tokens_total)
+                           self.prompt_tokens_total, self.generation_tokens_total,
+                           dict(self.scheduler.preemptions))
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

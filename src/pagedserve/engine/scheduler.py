@@ -3,7 +3,12 @@
 Each request has num_computed_tokens and a target (num_tokens). Each step hands out up to
 max_num_batched_tokens across up to max_num_seqs requests: running requests first, in priority
 order, then waiting ones. That one rule gives chunked prefill, prefix caching and mixed batches.
-When blocks run out, the least important, newest running request is preempted by recompute.
+
+Preemption is by recompute. Victims are chosen by priority first (never a more important request for a
+less important one), then by cost: the fewest computed tokens, which are the cheapest to redo. A request
+already preempted `protect_after` times is taken last, so one unlucky request does not thrash. Two
+reasons preempt: a running request needs blocks that are not there (kv_pressure), or a waiting request
+is strictly more important than a running one and cannot start without its slot or blocks (priority).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from pagedserve.engine.request import Request, RequestStatus
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[tuple[Request, str]] = field(default_factory=list)  # (victim, reason)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -26,14 +31,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 protect_after: int = 3) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.protect_after = protect_after
         self.waiting: list[tuple[int, float, int, Request]] = []  # heap: (priority, arrival, tiebreak, req)
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.preemptions: dict[str, int] = {"kv_pressure": 0, "priority": 0}
         self._tiebreak = itertools.count()
+        self._budget = 0  # tokens left in the step being scheduled
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     @property
     def num_waiting(self) -> int:
@@ -53,29 +65,59 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        self._budget = self.max_num_batched_tokens
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, num_new, out):
-                break  # req itself was the least important: nothing after it can run either
-            out.scheduled.append((req, num_new))
-            budget -= num_new
-            i += 1
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        self._preempt_for_waiting(out)
+        for req in list(self.running):
+            if self._budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, self._budget)
+            if self._allocate_or_preempt(req, num_new, out):
+                out.scheduled.append((req, num_new))
+                self._budget -= num_new
+        if not any(reason == "kv_pressure" for _, reason in out.preempted):
+            self._schedule_waiting(out, self._budget)
         return out
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocates req's slots, preempting running requests no more important than req (req itself
+        included) until they fit. False when req itself was preempted."""
         while not self.kv.allocate_slots(req, num_new):
-            victim = self.running.pop()
-            self.preempt(victim)
-            out.preempted.append(victim)
+            victim = self._cheapest([r for r in self.running if r.priority >= req.priority])
+            self._preempt(victim, "kv_pressure", out)
             if victim is req:
                 return False
         return True
+
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Makes room for the most important waiting request by preempting strictly less important ones."""
+        if not self.waiting:
+            return
+        head = self.waiting[0][3]
+        need = -(-min(head.num_tokens, self.max_num_batched_tokens) // self.kv.block_size)
+        while len(self.running) >= self.max_num_seqs or self.kv.num_free_blocks < need:
+            victim = self._cheapest([r for r in self.running if r.priority > head.priority])
+            if victim is None:
+                return
+            self._preempt(victim, "priority", out)
+
+    def _cheapest(self, candidates: list[Request]) -> Request | None:
+        """Least important first, then protected last, then the fewest tokens to recompute."""
+        return max(candidates, default=None, key=lambda r: (
+            r.priority, r.num_preemptions < self.protect_after, -r.num_computed_tokens, r.arrival_time))
+
+    def _preempt(self, req: Request, reason: str, out: SchedulerOutput) -> None:
+        """Preempts a running request, taking it out of this step if it was already scheduled."""
+        for j, (scheduled, n) in enumerate(out.scheduled):
+            if scheduled is req:
+                del out.scheduled[j]
+                self._budget += n
+                break
+        self.running.remove(req)
+        self.preempt(req, reason)
+        out.preempted.append((req, reason))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -95,12 +137,12 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             budget -= num_new
 
-    def preempt(self, req: Request) -> None:
+    def preempt(self, req: Request, reason: str = "kv_pressure") -> None:
         """Recompute later: drop the KV (its full blocks stay in the prefix cache) and requeue."""
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.preemptions[reason] += 1
         self.add(req)
 
     def finish(self, req: Request) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+import time
+from types import FrameType
 
 import uvicorn
 
 from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.async_engine import AsyncLLM
+from pagedserve.server.admission import AdmissionConfig, AdmissionController, parse_degrade
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.openai_api import create_app
 from pagedserve.server.serving import ServerState
@@ -24,7 +27,48 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
         embedder = Embedder.load(None if args.embedding_model == "default" else args.embedding_model)
     name = args.served_model_name or engine.model_name
-    return ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder)
+    return ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder,
+                       admission=AdmissionController(admission_config(args, engine)))
+
+
+def admission_config(args: argparse.Namespace, engine: AsyncLLM) -> AdmissionConfig:
+    kv = engine.engine.kv
+    try:
+        degrade = parse_degrade(args.degrade)
+    except ValueError as exc:
+        raise SystemExit(f"--degrade: {exc}") from exc
+    return AdmissionConfig(enabled=args.admission_control == "on",
+                           max_queued_tokens=args.max_queued_tokens or kv.num_blocks * kv.block_size,
+                           max_queued_requests=args.max_queued_requests, ttft_slo=args.ttft_slo,
+                           degrade_at=args.degrade_at, degrade=degrade)
+
+
+class DrainingServer(uvicorn.Server):
+    """The first SIGTERM (or Ctrl-C) drains: admission answers 503, /health says 'draining', and
+    admitted requests get the grace period to finish; then uvicorn's own shutdown. A second signal
+    shuts down at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float):
+        super().__init__(config)
+        self.state, self.grace_s = state, grace_s
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_deadline is None:  # a signal handler: set flags only, log from the loop
+            self.state.admission.draining = True
+            self.drain_deadline = time.monotonic() + self.grace_s
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            in_flight = self.state.admission.in_flight
+            if counter % 10 == 0:
+                logger.info("draining: %d admitted requests in flight", in_flight)
+            if in_flight == 0 or time.monotonic() >= self.drain_deadline:
+                logger.info("drained (%d requests left unfinished); shutting down", in_flight)
+                self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -55,6 +99,6 @@ def serve(args: argparse.Namespace) -> int:
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(banner(url, state.model_name, args.api_key), flush=True)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    uvicorn.Server(config).run(sockets=[sock])
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, state, args.shutdown_timeout).run(sockets=[sock])
     return 0

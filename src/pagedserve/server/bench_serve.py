@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pagedserve.benchreport import replace_section
+from pagedserve.benchreport import command_line, replace_section
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
     ms = 1000.0
     lines = [
         SECTION, "",
-        f"Command: `pagedserve bench serve {' '.join(args.argv)}`".rstrip(),
+        f"Command: `{command_line()}`",
         (f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
         "note: the cores are shared with other work; compare the ratios within one run."),
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -340,9 +340,7 @@ def plot_results(results: list[RateResult], path: Path) -> None:
 
 # ---- main ----
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pagedserve bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="0.5,1,2,4", help="comma-separated offered loads in requests/s")
     p.add_argument("--num-requests", type=int, default=48, help="MIX requests sent at each rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
@@ -363,10 +361,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md and the plot go")
     p.add_argument("--no-write", action="store_true", help="print the results only")
     p.add_argument("pagedserve_args", nargs="*", help="extra `pagedserve serve` flags (after --)")
-    args = p.parse_args(argv)
-    args.argv = argv
-    args.gguf = args.gguf or str(default_gguf())
-    return args
 
 
 def run(args: argparse.Namespace) -> list[RateResult]:
@@ -411,7 +405,14 @@ def bench_server(server: ServerProcess, requests: list[BenchRequest], rates: lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_args(p.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    args.gguf = args.gguf or str(default_gguf())
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -20,7 +20,9 @@ from pagedserve.server.protocol import (
     random_id,
 )
 from pagedserve.server.serving import (
+    Call,
     EventStream,
+    RequestContext,
     ServerState,
     final_outputs,
     merged,
@@ -40,8 +42,8 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
         raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
 
 
-async def create_chat_completion(state: ServerState,
-                                 req: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
+                                 ctx: RequestContext) -> ChatCompletionResponse | EventStream:
     state.check_generation_model(req.model)
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, f"response_format type '{req.response_format.type}' is not supported; "
@@ -50,26 +52,27 @@ async def create_chat_completion(state: ServerState,
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(state, req, req.max_completion_tokens or req.max_tokens, top)
     request_id = random_id("chatcmpl")
-    streams = await start_streams(state, request_id, [prompt], params, "messages")
+    call = await start_streams(state, ctx, request_id, [prompt], params, "messages")
     if req.stream:
-        return EventStream(_stream(state, req, request_id, streams))
-    outputs = await final_outputs(state, streams)
+        return EventStream(_stream(state, req, request_id, call, ctx.degraded), call, ctx.headers)
+    outputs = await final_outputs(state, call)
     choices = [
         ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                    logprobs=_logprobs(state, c, 0, top) if top is not None else None,
                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         for c in outputs[0].outputs
     ]
-    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(outputs))
+    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(outputs),
+                                  degraded=ctx.degraded)
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str,
-                  streams: list) -> AsyncIterator[str]:
+                  call: Call, degraded: list[str] | None) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     top = (req.top_logprobs or 0) if req.logprobs else None
 
     def chunk(choice: ChatChunkChoice) -> str:
-        body = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice])
+        body = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice], degraded=degraded)
         return sse(body.model_dump_json(exclude_none=True))
 
     sent_text: dict[int, int] = {}
@@ -79,7 +82,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
     try:
         for i in range(req.n):
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-        async for _, out in merged(state, streams):
+        async for _, out in merged(state, call):
             last = out
             for c in out.outputs:
                 if c.index in finished:

@@ -22,27 +22,48 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
                    help="sentence-embedding folder for /v1/embeddings; 'default' = packaged all-MiniLM-L6-v2, "
                         "'none' turns embeddings off")
     p.add_argument("--max-request-size", default="8MiB", help="largest request body accepted (413 beyond)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds to let in-flight requests finish on shutdown")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="drain grace period: on SIGTERM stop admitting (503, /health 'draining') and give "
+                        "admitted requests this many seconds to finish before exiting")
     p.add_argument("--disable-access-log", action="store_true", help="don't log one line per HTTP request")
+    add_admission_args(p)
     add_engine_args(p)
     p.set_defaults(func=_serve)
 
+    from pagedserve.server import bench_overload, bench_serve
+
     b = bench.add_parser("serve", help="online serving benchmark: Poisson arrivals over MIX vs llama-server",
-                         description="Open-loop Poisson load at several request rates over the MIX workload "
-                                     "against pagedserve and llama.cpp's llama-server; writes "
-                                     "docs/benchmarks.md and a PNG plot.")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of benchmarks/serve.py (see --help)")
-    b.set_defaults(func=_bench_serve)
+                         description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_serve.add_arguments(b)
+    b.set_defaults(func=bench_serve.run_args)
+    o = bench.add_parser("overload", help="overload control: 0.5x-3x capacity, priorities, control on vs off",
+                         description=bench_overload.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_overload.add_arguments(o)
+    o.set_defaults(func=bench_overload.run_args)
+
+
+def add_admission_args(parser: argparse.ArgumentParser) -> None:
+    from pagedserve.server.admission import AdmissionConfig
+
+    d = AdmissionConfig()
+    g = parser.add_argument_group("admission control", "token-aware admission, priorities and load shedding")
+    g.add_argument("--admission-control", choices=["on", "off"], default="on",
+                   help="off: admit everything into one unbounded FCFS queue, ignoring priorities")
+    g.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="hard bound on the queue (admitted, not started) in cost tokens, prompt + max_tokens "
+                        "per sample (default: the KV pool's size in tokens)")
+    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="hard bound on the queue in requests")
+    g.add_argument("--ttft-slo", type=float, default=d.ttft_slo,
+                   help="time-to-first-token target in seconds; the queue bound adapts to meet it")
+    g.add_argument("--degrade", default="sheddable:max_tokens=64,n=1",
+                   help="what each class gives up under pressure, e.g. "
+                        "'sheddable:max_tokens=64,n=1;standard:max_tokens=512' ('' for nothing)")
+    g.add_argument("--degrade-at", type=float, default=d.degrade_at,
+                   help="queue fill (fraction of the bound) from which degradation applies")
 
 
 def _serve(args: argparse.Namespace) -> int:
     from pagedserve.server.api_server import serve
 
     return serve(args)
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    from pagedserve.server.bench_serve import main
-
-    return main(args.bench_args)

@@ -13,7 +13,9 @@ from pagedserve.server.protocol import (
     random_id,
 )
 from pagedserve.server.serving import (
+    Call,
     EventStream,
+    RequestContext,
     ServerState,
     final_outputs,
     merged,
@@ -35,17 +37,18 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def create_completion(state: ServerState, req: CompletionRequest) -> CompletionResponse | EventStream:
+async def create_completion(state: ServerState, req: CompletionRequest,
+                            ctx: RequestContext) -> CompletionResponse | EventStream:
     state.check_generation_model(req.model)
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
     prompts = prompt_list(req.prompt)
     params = sampling_params(state, req, req.max_tokens, req.logprobs)
     request_id = random_id("cmpl")
-    streams = await start_streams(state, request_id, prompts, params)
+    call = await start_streams(state, ctx, request_id, prompts, params)
     if req.stream:
-        return EventStream(_stream(state, req, request_id, prompts, streams))
-    outputs = await final_outputs(state, streams)
+        return EventStream(_stream(state, req, request_id, prompts, call, ctx.degraded), call, ctx.headers)
+    outputs = await final_outputs(state, call)
     choices = [
         CompletionChoice(
             index=i * req.n + c.index,
@@ -55,17 +58,18 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Compl
         )
         for i, out in enumerate(outputs) for c in out.outputs
     ]
-    return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(outputs))
+    return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(outputs),
+                              degraded=ctx.degraded)
 
 
 async def _stream(state: ServerState, req: CompletionRequest, request_id: str, prompts: list,
-                  streams: list) -> AsyncIterator[str]:
+                  call: Call, degraded: list[str] | None) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
     last: dict[int, RequestOutput] = {}
     try:
-        async for i, out in merged(state, streams):
+        async for i, out in merged(state, call):
             last[i] = out
             for c in out.outputs:
                 index = i * req.n + c.index
@@ -80,7 +84,8 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, p
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                 if c.finish_reason:
                     finished.add(index)
-                chunk = CompletionResponse(id=request_id, model=state.model_name, choices=[CompletionChoice(
+                chunk = CompletionResponse(id=request_id, model=state.model_name, degraded=degraded,
+                                           choices=[CompletionChoice(
                     index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     logprobs=_logprobs(state, c, start_tok, req.logprobs) if req.logprobs is not None else None,
                 )])

@@ -49,8 +49,47 @@ class EngineStatsCollector(Collector):
                       s.prefix_cache_hit_tokens)
         yield counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", queried)
         yield counter("num_preemptions", "requests preempted (recomputed later)", s.num_preemptions)
+        by_reason = CounterMetricFamily("pagedserve_preemptions_by_reason", "preemptions by reason: kv_pressure "
+                                        "(blocks ran out) or priority (a more important request waited)",
+                                        labels=[*names, "reason"])
+        for reason, count in s.preemptions_by_reason.items():
+            by_reason.add_metric([*values, reason], count)
+        yield by_reason
         yield counter("prompt_tokens", "prompt tokens processed", s.prompt_tokens_total)
         yield counter("generation_tokens", "tokens generated", s.generation_tokens_total)
+
+
+class AdmissionCollector(Collector):
+    """Admission control's counters and its adaptive bound, read at scrape time."""
+
+    def __init__(self, admission: Any):
+        self.admission = admission
+
+    def collect(self) -> Iterator:
+        a = self.admission
+        admitted = CounterMetricFamily("pagedserve_admission_admitted", "requests admitted, by priority class",
+                                       labels=["priority_class"])
+        degraded = CounterMetricFamily("pagedserve_admission_degraded",
+                                       "requests served degraded under pressure, by class", labels=["priority_class"])
+        for cls in a.admitted:
+            admitted.add_metric([cls], a.admitted[cls])
+            degraded.add_metric([cls], a.degraded[cls])
+        rejected = CounterMetricFamily("pagedserve_admission_rejected", "requests refused, by class and reason",
+                                       labels=["priority_class", "reason"])
+        for (cls, code), count in a.rejected.items():
+            rejected.add_metric([cls, code], count)
+        queued = GaugeMetricFamily("pagedserve_admission_queued_tokens", "cost tokens admitted and not started",
+                                   labels=["priority_class"])
+        for cls, tokens in a.queued_tokens.items():
+            queued.add_metric([cls], tokens)
+        yield from (admitted, degraded, rejected, queued)
+        yield GaugeMetricFamily("pagedserve_admission_limit_tokens", "current adaptive bound on queued tokens",
+                                value=a.limit_tokens)
+        yield GaugeMetricFamily("pagedserve_admission_drain_rate", "cost tokens started per second when saturated",
+                                value=a.rate or 0.0)
+        yield GaugeMetricFamily("pagedserve_admission_gain", "AIMD gain on the drain-rate bound", value=a.gain)
+        yield GaugeMetricFamily("pagedserve_admission_in_flight", "admitted requests not yet finished",
+                                value=a.in_flight)
 
 
 @dataclass
@@ -72,6 +111,9 @@ class ServerMetrics:
 
     def watch_engine(self, get_stats: Callable[[], Any]) -> None:
         self.registry.register(EngineStatsCollector(get_stats, self.model_name))
+
+    def watch_admission(self, admission: Any) -> None:
+        self.registry.register(AdmissionCollector(admission))
 
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -32,11 +32,11 @@ from pagedserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedserve.server.serving import ServerState, until_disconnect
+from pagedserve.server.serving import RequestContext, ServerState, until_disconnect
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)
 }
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or server-sent events "
                                                                           "when stream is true"}}
@@ -58,6 +58,7 @@ def create_app(state: ServerState, api_key: str | None = None,
                   description="OpenAI-compatible API over pagedserve's paged-KV engine.")
     install_error_handlers(app)
     state.metrics.watch_engine(lambda: state.engine.stats)
+    state.metrics.watch_admission(state.admission)
     app.include_router(_api_routes(state, _auth_dependency(api_key)))
     app.include_router(_open_routes(state))
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes,
@@ -87,11 +88,13 @@ def _api_routes(state: ServerState, auth) -> APIRouter:
 
     @r.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_DOC)
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await until_disconnect(request, _respond(create_completion(state, req)))
+        ctx = RequestContext.build(req.priority, req.timeout, request.headers)
+        return await until_disconnect(request, _respond(create_completion(state, req, ctx), ctx))
 
     @r.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_DOC)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await until_disconnect(request, _respond(create_chat_completion(state, req)))
+        ctx = RequestContext.build(req.priority, req.timeout, request.headers)
+        return await until_disconnect(request, _respond(create_chat_completion(state, req, ctx), ctx))
 
     @r.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def embeddings(req: EmbeddingRequest) -> EmbeddingResponse:
@@ -132,8 +135,11 @@ def _open_routes(state: ServerState) -> APIRouter:
 
     @r.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health() -> JSONResponse:
-        ok = state.engine.is_running
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+        if not state.engine.is_running:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        if state.admission.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @r.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
@@ -142,11 +148,11 @@ def _open_routes(state: ServerState) -> APIRouter:
     return r
 
 
-async def _respond(work) -> Response:
+async def _respond(work, ctx: RequestContext) -> Response:
     result = await work
     if isinstance(result, Response):
         return result
-    return JSONResponse(result.model_dump(mode="json"))
+    return JSONResponse(result.model_dump(mode="json"), headers=ctx.headers)
 
 
 def _model_cards(state: ServerState) -> list[ModelCard]:

@@ -63,6 +63,12 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: int | Literal["critical", "standard", "sheddable"] | None = Field(
+        None, description="pagedserve/vLLM extra: a class or an integer (lower is more important); "
+                          "default standard (0); also the x-priority header")
+    timeout: float | None = Field(None, gt=0, description="pagedserve extra: seconds to the last token; past "
+                                                          "it a 504, and a request that cannot make it is "
+                                                          "refused at once; also the x-request-timeout header")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -114,6 +120,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    degraded: list[str] | None = Field(None, description="pagedserve extra: what was cut under load, e.g. "
+                                                       "max_tokens=64 or n=1")
 
 
 # ---- chat ----
@@ -189,6 +197,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    degraded: list[str] | None = Field(None, description="pagedserve extra: what was cut under load, e.g. "
+                                                       "max_tokens=64 or n=1")
 
 
 class DeltaMessage(BaseModel):
@@ -211,6 +221,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    degraded: list[str] | None = Field(None, description="pagedserve extra: what was cut under load, e.g. "
+                                                       "max_tokens=64 or n=1")
 
 
 # ---- embeddings ----
@@ -286,4 +298,4 @@ class DetokenizeResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "unhealthy"]
+    status: Literal["ok", "unhealthy", "draining"]

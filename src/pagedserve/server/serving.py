@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -15,9 +17,12 @@ from starlette.types import Receive, Scope, Send
 from pagedserve.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.admission import AdmissionConfig, AdmissionController, Rejected, Ticket, parse_priority
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
 from pagedserve.server.protocol import PromptTokensDetails, SamplingFields, Usage
+
+ENGINE_RETRY_AFTER_S = 5  # what a 503 for a dead engine tells clients; a supervisor restarts us meanwhile
 
 
 @dataclass
@@ -26,6 +31,7 @@ class ServerState:
     model_name: str  # the name clients use for the LLM
     metrics: ServerMetrics
     embedder: Any = None  # pagedserve.embedding.Embedder, or None when embeddings are off
+    admission: AdmissionController = field(default_factory=lambda: AdmissionController(AdmissionConfig()))
 
     def check_generation_model(self, requested: str | None) -> None:
         if requested is None or requested == self.model_name:
@@ -54,24 +60,110 @@ def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | N
         raise APIError(400, str(exc)) from exc
 
 
-async def start_streams(state: ServerState, request_id: str, prompts: list[str | list[int]],
-                        params: SamplingParams, param: str = "prompt") -> list[RequestStream]:
-    """Adds one engine request per prompt (all before the same step); any bad prompt fails the whole
-    call with a 400 and withdraws the others."""
+@dataclass(slots=True)
+class RequestContext:
+    """Overload options of one HTTP request (body fields win over headers) and the response headers
+    the handler adds."""
+
+    priority: int = 0
+    timeout: float | None = None  # seconds from admission to the last token
+    headers: dict[str, str] = field(default_factory=dict)
+    degraded: list[str] | None = None
+
+    @classmethod
+    def build(cls, body_priority: int | str | None, body_timeout: float | None, headers: Any) -> RequestContext:
+        try:
+            priority = parse_priority(body_priority if body_priority is not None else headers.get("x-priority"))
+        except ValueError as exc:
+            raise APIError(400, str(exc), "priority") from exc
+        timeout = body_timeout
+        if timeout is None and (header := headers.get("x-request-timeout")) is not None:
+            try:
+                timeout = float(header)
+            except ValueError:
+                timeout = -1.0
+            if not 0 < timeout < float("inf"):
+                raise APIError(400, f"x-request-timeout must be a positive number of seconds, not {header!r}",
+                               "timeout")
+        return cls(priority, timeout)
+
+
+@dataclass(slots=True)
+class Call:
+    """The engine requests of one API call, with its admission ticket and deadline."""
+
+    streams: list[RequestStream]
+    ticket: Ticket
+    admission: AdmissionController
+    deadline: float | None  # time.monotonic() by which the last token must be out
+
+    def close(self) -> None:
+        """Aborts what is still running and returns the ticket (idempotent)."""
+        close_all(self.streams)
+        self.admission.finished(self.ticket)
+
+
+async def start_streams(state: ServerState, ctx: RequestContext, request_id: str, prompts: list[str | list[int]],
+                        params: SamplingParams, param: str = "prompt") -> Call:
+    """Admits the call, then adds one engine request per prompt (all before the same step); any bad
+    prompt fails the whole call with a 400 and withdraws the others."""
+    if not state.engine.is_running:
+        raise APIError(503, "the engine is not running", code="engine_unavailable",
+                       headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+    prompt_ids = [state.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    params = _degraded(state, ctx, params)
+    ticket = _admit(state, ctx, prompt_ids, params)
+    priority = ctx.priority if state.admission.config.enabled else 0
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    added = await asyncio.gather(*(state.engine.add_request(rid, p, params) for rid, p in zip(ids, prompts)),
-                                 return_exceptions=True)
+    try:
+        added = await asyncio.gather(*(state.engine.add_request(rid, p, params, priority)
+                                       for rid, p in zip(ids, prompt_ids)), return_exceptions=True)
+    except BaseException:  # cancelled (client gone): the engine side withdraws itself
+        state.admission.finished(ticket)
+        raise
     streams = [s for s in added if isinstance(s, RequestStream)]
     errors = [e for e in added if isinstance(e, BaseException)]
+    deadline = None if ctx.timeout is None else ticket.admitted_at + ctx.timeout
+    call = Call(streams, ticket, state.admission, deadline)
     if not errors:
-        return streams
-    close_all(streams)
+        return call
+    call.close()
     exc = errors[0]
     if isinstance(exc, ValueError):
         raise APIError(400, str(exc), param, _error_code(str(exc))) from exc
     if isinstance(exc, EngineDeadError):
-        raise APIError(503, str(exc), code="engine_unavailable") from exc
+        raise APIError(503, str(exc), code="engine_unavailable",
+                       headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)}) from exc
     raise exc
+
+
+def _admit(state: ServerState, ctx: RequestContext, prompt_ids: list[list[int]], params: SamplingParams) -> Ticket:
+    max_len = state.engine.max_model_len
+    cost = params.n * sum(len(ids) + max(0, params.max_tokens or max_len - len(ids)) for ids in prompt_ids)
+    try:
+        return state.admission.admit(ctx.priority, cost, ctx.timeout)
+    except Rejected as exc:
+        raise APIError(exc.status, exc.message, code=exc.code,
+                       headers={"Retry-After": str(exc.retry_after)}) from exc
+
+
+def _degraded(state: ServerState, ctx: RequestContext, params: SamplingParams) -> SamplingParams:
+    """Under pressure a class may get a max_tokens cap and n = 1; the response says what was cut."""
+    policy = state.admission.degrade(ctx.priority)
+    if policy is None:
+        return params
+    notes, changes = [], {}
+    if policy.max_tokens is not None and (params.max_tokens is None or params.max_tokens > policy.max_tokens):
+        notes.append(f"max_tokens={policy.max_tokens}")
+        changes["max_tokens"] = policy.max_tokens
+    if policy.single_sample and params.n > 1:
+        notes.append("n=1")
+        changes["n"] = 1
+    if not notes:
+        return params
+    ctx.degraded = notes
+    ctx.headers["x-pagedserve-degraded"] = ",".join(notes)
+    return dataclasses.replace(params, **changes)
 
 
 def _error_code(message: str) -> str | None:
@@ -84,8 +176,10 @@ def close_all(streams: list[RequestStream]) -> None:
         stream.close()
 
 
-async def merged(state: ServerState, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, cumulative output) from all streams as they come; records latency metrics."""
+async def merged(state: ServerState, call: Call) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, cumulative output) from all streams as they come; records latency metrics and
+    returns the admission ticket at the end. Past the call's deadline, a 504."""
+    streams = call.streams
     timers = [RequestTimer() for _ in streams]
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -102,16 +196,27 @@ async def merged(state: ServerState, streams: list[RequestStream]) -> AsyncItera
     try:
         remaining = len(streams)
         while remaining:
-            i, item = await queue.get()
+            i, item = await _next(queue, call.deadline)
             if isinstance(item, BaseException):
                 raise _api_error(item)
+            state.admission.started(call.ticket)
             if item.finished:
                 remaining -= 1
             yield i, item
     finally:
         for task in tasks:
             task.cancel()
-        close_all(streams)
+        call.close()
+
+
+async def _next(queue: asyncio.Queue, deadline: float | None) -> Any:
+    if deadline is None:
+        return await queue.get()
+    try:
+        return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise APIError(504, "the request's deadline passed before it finished", "timeout",
+                       "deadline_exceeded") from None
 
 
 def _api_error(exc: BaseException) -> BaseException:
@@ -122,9 +227,9 @@ def _api_error(exc: BaseException) -> BaseException:
     return exc
 
 
-async def final_outputs(state: ServerState, streams: list[RequestStream]) -> list[RequestOutput]:
-    last: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in merged(state, streams):
+async def final_outputs(state: ServerState, call: Call) -> list[RequestOutput]:
+    last: list[RequestOutput | None] = [None] * len(call.streams)
+    async for i, out in merged(state, call):
         last[i] = out
     return [out for out in last if out is not None]
 
@@ -169,8 +274,9 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[str], call: Call, headers: dict[str, str] | None = None):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self.call = call  # closed however the response ends, even if the body never started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.ensure_future(self.stream_response(send))
@@ -184,6 +290,7 @@ class EventStream(StreamingResponse):
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
             await self.body_iterator.aclose()
+            self.call.close()
 
 
 def sse(payload: str) -> str:

@@ -1,0 +1,256 @@
+"""Token-aware admission control: who gets into the engine's queue, who is told to come back, and when.
+
+A request's cost is its KV need in tokens, prompt + max_tokens for each of its n samples. The queue
+(admitted, no first token yet) is bounded in tokens and in requests. The token bound adapts: the
+rate at which the queue drains (cost tokens started per second while it is non-empty) times the TTFT
+target gives the queue that can be served in time; an AIMD gain on top corrects it from the TTFTs
+actually measured. Each priority class sees only the queue ahead of it (the engine schedules by
+priority) and may fill only its share of the bound, so sheddable work is refused first, then
+standard, and critical last. Refusals are 429s with a Retry-After from the drain rate; while draining
+or unhealthy, 503s.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+CLASSES = {"critical": -1, "standard": 0, "sheddable": 1}
+
+
+def priority_class(priority: int) -> str:
+    """vLLM-style integer priority (lower is more important) -> its class name."""
+    return "critical" if priority < 0 else "standard" if priority == 0 else "sheddable"
+
+
+def parse_priority(value: int | str | None) -> int:
+    """'critical' | 'standard' | 'sheddable' | an integer (as int or text) -> integer priority."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    text = value.strip().lower()
+    if text in CLASSES:
+        return CLASSES[text]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"priority must be one of {', '.join(CLASSES)} or an integer, not {value!r}") from None
+
+
+@dataclass(slots=True)
+class DegradePolicy:
+    """What a class gives up under pressure."""
+
+    max_tokens: int | None = None  # cap on max_tokens
+    single_sample: bool = False  # n > 1 is served as n = 1
+
+
+def parse_degrade(spec: str) -> dict[str, DegradePolicy]:
+    """'sheddable:max_tokens=64,n=1;standard:max_tokens=256' -> per-class policies ('' for none)."""
+    policies: dict[str, DegradePolicy] = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        cls, _, opts = part.partition(":")
+        if cls not in CLASSES:
+            raise ValueError(f"degrade: unknown class {cls!r} (one of {', '.join(CLASSES)})")
+        policy = DegradePolicy()
+        for opt in filter(None, (o.strip() for o in opts.split(","))):
+            key, _, value = opt.partition("=")
+            if key == "max_tokens" and value.isdigit() and int(value) > 0:
+                policy.max_tokens = int(value)
+            elif key == "n" and value == "1":
+                policy.single_sample = True
+            else:
+                raise ValueError(f"degrade: bad option {opt!r} (max_tokens=N or n=1)")
+        policies[cls] = policy
+    return policies
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    enabled: bool = True  # off: an unbounded FCFS queue, priorities ignored
+    max_queued_tokens: int = 16384  # hard bound on the queue in cost tokens
+    max_queued_requests: int = 256
+    ttft_slo: float = 2.0  # seconds; the adaptive bound aims the queue wait at it
+    shares: dict[str, float] = field(default_factory=lambda: {"critical": 1.0, "standard": 0.8, "sheddable": 0.5})
+    degrade_at: float = 0.5  # queue over this fraction of the bound counts as pressure
+    degrade: dict[str, DegradePolicy] = field(
+        default_factory=lambda: {"sheddable": DegradePolicy(max_tokens=64, single_sample=True)})
+
+
+class Rejected(Exception):
+    """A request refused at the door: status 429 or 503, an error code and when to retry."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int):
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One admitted request, from admission to its last token."""
+
+    cls: str
+    cost: int
+    admitted_at: float
+    started: bool = False
+    done: bool = False
+
+
+class AdmissionController:
+    RATE_INTERVAL_S = 0.5  # drain-rate samples are taken over intervals at least this long
+    AIMD_WINDOW = 8  # TTFTs per gain update
+    # When even an empty queue misses the target (service time alone is too long), the gain bottoms out
+    # here instead of starving the engine: a short queue still keeps every seat busy.
+    MIN_GAIN = 0.25
+
+    def __init__(self, config: AdmissionConfig, clock=time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.queued_tokens = dict.fromkeys(CLASSES, 0)
+        self.queued_requests = dict.fromkeys(CLASSES, 0)
+        self.in_flight = 0
+        self.draining = False
+        self.rate: float | None = None  # cost tokens started per second while saturated
+        self.gain = 1.0
+        self._interval_start = clock()
+        self._interval_started_cost = 0
+        self._interval_saturated = False
+        self._ttfts: deque[float] = deque(maxlen=self.AIMD_WINDOW)
+        self.rejected: dict[tuple[str, str], int] = {}  # (class, code) -> count
+        self.admitted = dict.fromkeys(CLASSES, 0)
+        self.degraded = dict.fromkeys(CLASSES, 0)
+
+    # ---- the bound ----
+
+    @property
+    def limit_tokens(self) -> float:
+        if self.rate is None:
+            return self.config.max_queued_tokens
+        return min(self.config.max_queued_tokens, max(1.0, self.gain * self.rate * self.config.ttft_slo))
+
+    def ahead(self, cls: str) -> tuple[int, int]:
+        """Queued tokens and requests the engine will start before a new request of this class."""
+        rank = CLASSES[cls]
+        tokens = sum(v for c, v in self.queued_tokens.items() if CLASSES[c] <= rank)
+        requests = sum(v for c, v in self.queued_requests.items() if CLASSES[c] <= rank)
+        return tokens, requests
+
+    def pressure(self) -> float:
+        """Queued tokens over the current bound: 0 idle, 1 full."""
+        return sum(self.queued_tokens.values()) / self.limit_tokens
+
+    def under_pressure(self) -> bool:
+        return self.config.enabled and self.pressure() >= self.config.degrade_at
+
+    def retry_after(self, tokens: int) -> int:
+        if not self.rate:
+            return 1
+        return min(60, max(1, math.ceil(tokens / self.rate)))
+
+    # ---- the door ----
+
+    def admit(self, priority: int, cost: int, deadline_s: float | None = None) -> Ticket:
+        """A ticket for the request, or Rejected. Always admits into an empty queue ahead."""
+        cls = priority_class(priority) if self.config.enabled else "standard"
+        self._tick()
+        if self.draining:
+            self._reject(cls, 503, "draining", "the server is draining for shutdown; retry on another replica",
+                         self.retry_after(sum(self.queued_tokens.values())))
+        if self.config.enabled:
+            self._check_bounds(cls, cost, deadline_s)
+        ticket = Ticket(cls, cost, self.clock())
+        self.queued_tokens[cls] += cost
+        self.queued_requests[cls] += 1
+        self.in_flight += 1
+        self.admitted[cls] += 1
+        return ticket
+
+    def _check_bounds(self, cls: str, cost: int, deadline_s: float | None) -> None:
+        tokens, requests = self.ahead(cls)
+        if tokens == 0:
+            return
+        share = self.config.shares[cls]
+        if requests + 1 > share * self.config.max_queued_requests:
+            self._reject(cls, 429, "queue_full", f"the {cls} queue holds {requests} requests, its bound",
+                         self.retry_after(tokens))
+        bound = share * self.limit_tokens
+        if tokens + cost > bound:
+            self._reject(cls, 429, "overloaded",
+                         f"server overloaded: {tokens} tokens queued ahead of this {cls} request "
+                         f"(cost {cost}) against a bound of {int(bound)}",
+                         self.retry_after(tokens + cost - bound))
+        if deadline_s is not None and self.rate and tokens / self.rate >= deadline_s:
+            self._reject(cls, 429, "deadline_unmeetable",
+                         f"the queue ahead needs about {tokens / self.rate:.1f}s, past this request's "
+                         f"{deadline_s:g}s deadline", self.retry_after(tokens))
+
+    def _reject(self, cls: str, status: int, code: str, message: str, retry_after: int) -> None:
+        self.rejected[cls, code] = self.rejected.get((cls, code), 0) + 1
+        raise Rejected(status, code, message, retry_after)
+
+    def degrade(self, priority: int) -> DegradePolicy | None:
+        """The class's degradation policy when the server is under pressure, else None."""
+        cls = priority_class(priority)
+        policy = self.config.degrade.get(cls)
+        if policy is None or not self.under_pressure():
+            return None
+        self.degraded[cls] += 1
+        return policy
+
+    # ---- the ticket's life ----
+
+    def started(self, ticket: Ticket) -> None:
+        """First token out: the request leaves the queue; its TTFT feeds the gain."""
+        if ticket.started or ticket.done:
+            return
+        ticket.started = True
+        self._dequeue(ticket)
+        self._interval_started_cost += ticket.cost
+        self._observe_ttft(self.clock() - ticket.admitted_at)
+        self._tick()
+
+    def finished(self, ticket: Ticket) -> None:
+        """Last token out, error or abort: the ticket is returned (safe to call twice)."""
+        if ticket.done:
+            return
+        if not ticket.started:
+            self._dequeue(ticket)
+        ticket.done = True
+        self.in_flight -= 1
+        self._tick()
+
+    def _dequeue(self, ticket: Ticket) -> None:
+        self.queued_tokens[ticket.cls] -= ticket.cost
+        self.queued_requests[ticket.cls] -= 1
+
+    # ---- measurement ----
+
+    def _tick(self) -> None:
+        """Closes a drain-rate interval once it is long enough; only saturated intervals measure capacity."""
+        now = self.clock()
+        if not any(self.queued_requests.values()):
+            self._interval_saturated = False
+        dt = now - self._interval_start
+        if dt < self.RATE_INTERVAL_S:
+            return
+        if self._interval_saturated and self._interval_started_cost:
+            sample = self._interval_started_cost / dt
+            self.rate = sample if self.rate is None else 0.7 * self.rate + 0.3 * sample
+        self._interval_start, self._interval_started_cost = now, 0
+        self._interval_saturated = any(self.queued_requests.values())
+
+    def _observe_ttft(self, ttft: float) -> None:
+        """AIMD: a window whose 90th percentile misses the target cuts the gain by 30%, a comfortable
+        one (under 80% of it) adds 0.1."""
+        self._ttfts.append(ttft)
+        if len(self._ttfts) < self.AIMD_WINDOW:
+            return
+        p90 = sorted(self._ttfts)[int(0.9 * (len(self._ttfts) - 1))]
+        slo = self.config.ttft_slo
+        if p90 > slo:
+            self.gain = max(self.MIN_GAIN, self.gain * 0.7)
+        elif p90 < 0.8 * slo:
+            self.gain = min(4.0, self.gain + 0.1)
+        self._ttfts.clear()
