@@ -2,7 +2,7 @@
 admission control on and off (one unbounded FCFS queue), one server at a time, in one run.
 
 Capacity is measured first: the completion rate of a burst against the control-off server. Each load
-point then sends Poisson arrivals for --duration seconds; requests unfinished --grace seconds after the
+point then sends the same Poisson arrivals for --duration seconds to each server in turn; requests unfinished --grace seconds after the
 last arrival count as failed. Per class (critical / standard / sheddable): goodput (requests finished
 with TTFT <= --ttft-slo, per second), p99 TTFT of the finished, and how many were refused (429/503 with
 Retry-After). Results go to docs/benchmarks.md (section "Overload control") and a PNG plot in docs/.
@@ -146,11 +146,11 @@ def wait_idle(url: str, timeout: float = 120.0) -> None:
     raise TimeoutError("server still busy between load points")
 
 
-def measure_capacity(url: str, model: str, jobs: list[Job], max_tokens: int) -> float:
+def measure_capacity(server: ServerProcess, jobs: list[Job], max_tokens: int) -> float:
     """Completed requests per second of a burst large enough to keep every engine slot busy."""
-    outcomes, duration = asyncio.run(offer(url, model, jobs, 0.0, 0, max_tokens, 600.0))
-    done = sum(o.finished for o in outcomes)
-    return done / duration
+    outcomes, duration = asyncio.run(offer(server.url, server.model, jobs, 0.0, 0, max_tokens, 600.0))
+    wait_idle(server.url)
+    return sum(o.finished for o in outcomes) / duration
 
 
 def server_for(control: str, args: argparse.Namespace) -> ServerProcess:
@@ -162,34 +162,38 @@ def server_for(control: str, args: argparse.Namespace) -> ServerProcess:
 
 
 def run(args: argparse.Namespace) -> tuple[float, list[LoadPoint]]:
+    """Both servers stay up; each load point runs against control off, then on, so drifts in machine
+    load hit both alike."""
     from pagedserve.model.loader import load_model
     from pagedserve.workloads import corpus_tokens
 
     tokens = corpus_tokens(load_model(None).tokenizer)
     mix = dict(zip(CLASSES, (float(x) for x in args.mix.split(",")), strict=True))
-    factors = [float(f) for f in args.loads.split(",")]
-    capacity, points = args.capacity, []
-    for control in ("off", "on"):
-        server = server_for(control, args)
-        server.start()
-        try:
+    servers = {control: server_for(control, args) for control in ("off", "on")}
+    try:
+        for server in servers.values():
+            server.start()
             asyncio.run(offer(server.url, server.model, make_jobs(tokens, 4, mix, 99), 0.0, 0, 4, 120))  # warm-up
-            if capacity is None:
-                capacity = measure_capacity(server.url, server.model, make_jobs(tokens, args.capacity_burst, mix, 1),
-                                            args.max_tokens)
-                logger.info("capacity: %.2f req/s", capacity)
-                wait_idle(server.url)
-            for i, factor in enumerate(factors):
-                rate = factor * capacity
-                jobs = make_jobs(tokens, max(8, round(rate * args.duration)), mix, 10 + i)
+        capacity = args.capacity
+        if capacity is None:
+            capacity = measure_capacity(servers["off"], make_jobs(tokens, args.capacity_burst, mix, 1),
+                                        args.max_tokens)
+            logger.info("capacity: %.2f req/s", capacity)
+        points = []
+        for i, factor in enumerate(float(f) for f in args.loads.split(",")):
+            rate = factor * capacity
+            jobs = make_jobs(tokens, max(8, round(rate * args.duration)), mix, 10 + i)
+            for control, server in servers.items():
                 outcomes, duration = asyncio.run(offer(server.url, server.model, jobs, rate, 10 + i,
                                                        args.max_tokens, args.grace))
                 point = summarize(control, factor, rate, outcomes, duration, args.ttft_slo)
-                logger.info("control %s, %.1fx (%.2f req/s): goodput %s p99 TTFT %s refused %s failed %s", control,
-                            factor, rate, _fmt(point.goodput), _fmt(point.p99_ttft), point.refused, point.failed)
+                logger.info("control %s, %.1fx (%.2f req/s): goodput %s p99 TTFT %s refused %s failed %s",
+                            control, factor, rate, _fmt(point.goodput), _fmt(point.p99_ttft), point.refused,
+                            point.failed)
                 points.append(point)
                 wait_idle(server.url)
-        finally:
+    finally:
+        for server in servers.values():
             server.stop()
     return capacity, points
 
@@ -273,12 +277,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=30.0, help="seconds after the last arrival before cut-off")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--mix", default="0.2,0.4,0.4", help="shares of critical, standard, sheddable requests")
-    p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO of goodput and of the server (s)")
+    p.add_argument("--ttft-slo", type=float, default=3.0, help="TTFT SLO of goodput and of the server (s)")
     p.add_argument("--capacity", type=float, default=None, help="skip measuring: capacity in req/s")
     p.add_argument("--capacity-burst", type=int, default=96, help="requests in the capacity-measuring burst")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md and the plot go")
     p.add_argument("--no-write", action="store_true", help="print the results only")
-    p.add_argument("server_args", nargs="*", help="extra `pagedserve serve` flags for both servers (after --)")
+    p.add_argument("server_args", nargs="*", default=["--max-num-batched-tokens", "512"],
+                   help="`pagedserve serve` flags for both servers, after -- (default: --max-num-batched-tokens "
+                        "512, steps short enough for a TTFT target on this CPU)")
 
 
 def main(argv: list[str] | None = None) -> int:
