@@ -15,6 +15,7 @@ from pagedserve.server.admission import (
     Rejected,
     parse_degrade,
     parse_priority,
+    parse_shed_after,
 )
 
 CRITICAL, STANDARD, SHEDDABLE = -1, 0, 1
@@ -131,6 +132,25 @@ def test_deadline_that_the_queue_cannot_meet_is_refused_at_once():
     ctl.admit(STANDARD, 100, 10.0)
 
 
+def test_an_old_queue_ahead_refuses_at_once_before_the_rate_is_known():
+    ctl, clock = controller(ttft_slo=1.0, max_queued_tokens=100_000)
+    ctl.admit(STANDARD, 10)
+    clock.now += 0.9  # over sheddable's 0.5 s and standard's 0.8 s, under critical's 1 s
+    assert rejection(ctl, SHEDDABLE, 10).message.startswith("server overloaded: the oldest request")
+    assert rejection(ctl, STANDARD, 10).code == "overloaded"
+    ctl.admit(CRITICAL, 10)  # the standard request is not ahead of critical work
+
+
+def test_queued_tickets_get_a_shed_time_by_class():
+    ctl, clock = controller(ttft_slo=2.0, shed_after={"sheddable": 1.0, "standard": 2.0})
+    shed, std, crit = (ctl.admit(p, 10) for p in (SHEDDABLE, STANDARD, CRITICAL))
+    assert (shed.shed_at, std.shed_at, crit.shed_at) == (clock.now + 2.0, clock.now + 4.0, None)
+    exc = ctl.shed(shed)
+    assert (exc.status, exc.code, ctl.rejected[("sheddable", "shed")]) == (429, "shed", 1)
+    ctl.finished(shed)
+    assert ctl.queued_tokens["sheddable"] == 0 and ctl.in_flight == 2
+
+
 def test_draining_refuses_with_503():
     ctl, _ = controller()
     ctl.draining = True
@@ -165,6 +185,11 @@ def test_parsers():
     for bad in ("vip:max_tokens=1", "sheddable:max_tokens=0", "standard:n=2"):
         with pytest.raises(ValueError, match="degrade"):
             parse_degrade(bad)
+    assert parse_shed_after("sheddable=1, standard=2.5") == {"sheddable": 1.0, "standard": 2.5}
+    assert parse_shed_after("") == {}
+    for bad in ("vip=1", "sheddable=0", "standard=x", "sheddable"):
+        with pytest.raises(ValueError, match="shed-after"):
+            parse_shed_after(bad)
 
 
 # ---- the scheduler's side: priorities and preemption economics ----

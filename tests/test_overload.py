@@ -22,8 +22,10 @@ SHED_CAP = 8  # the burst server's degradation cap for sheddable work
 @pytest.fixture(scope="module")
 def burst_server():
     # 12 MiB of fp32 KV holds about 5 of these requests at once; 8 may run; 400 queued tokens is ~9 more.
+    # A 30 s TTFT target keeps the age rules and shedding out of this burst: the token bound is under test.
     srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "12MiB", "--max-num-seqs", "8",
                          "--max-model-len", "512", "--embedding-model", "none", "--max-queued-tokens", "400",
+                         "--ttft-slo", "30",
                          "--degrade-at", "0", "--degrade", f"sheddable:max_tokens={SHED_CAP},n=1"])
     yield srv.url
     srv.stop()
@@ -60,7 +62,7 @@ def test_burst_of_mixed_priorities_sheds_honestly_and_serves_critical(burst_serv
         if isinstance(result, openai.APIStatusError):
             assert result.status_code in (429, 503), result
             assert int(result.response.headers["retry-after"]) >= 1
-            assert result.body["code"] in ("overloaded", "queue_full"), result.body
+            assert result.body["code"] in ("overloaded", "queue_full", "shed"), result.body
             refused[cls] += 1
             continue
         assert not isinstance(result, BaseException), repr(result)
@@ -131,6 +133,35 @@ def test_deadlines_and_bad_priorities(burst_server):
     for exc in (bad_body, bad_header):
         assert exc.status_code == 400 and exc.body["param"] == "priority"
     assert httpx.get(f"{burst_server}/health").json() == {"status": "ok"}
+
+
+def test_sheddable_work_that_cannot_start_in_time_is_shed_with_retry_after():
+    # A 50 ms TTFT target: a 400-token prefill cannot make it, so sheddable work is shed, standard is not.
+    srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "32MiB", "--embedding-model", "none",
+                         "--ttft-slo", "0.05", "--shed-after", "sheddable=1"])
+    prompt = " ".join(["The history of computing is a story of ideas that took decades to mature."] * 26)
+
+    async def run():
+        c = client(srv.url)
+        outcomes = []
+        for priority, stream in (("sheddable", False), ("sheddable", True), ("standard", True)):
+            try:
+                result = await complete(c, prompt, priority, max_tokens=4, stream=stream)
+                outcomes.append([chunk async for chunk in result] if stream else result)
+            except openai.APIStatusError as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    try:
+        shed, shed_stream, standard = asyncio.run(run())
+        for exc in (shed, shed_stream):  # a stream is shed before its headers: a plain 429
+            assert isinstance(exc, openai.APIStatusError) and exc.status_code == 429, exc
+            assert exc.body["code"] == "shed" and int(exc.response.headers["retry-after"]) >= 1
+        assert isinstance(standard, list) and standard[-1].choices[0].finish_reason == "length"
+        text = httpx.get(f"{srv.url}/metrics").text
+        assert 'pagedserve_admission_rejected_total{priority_class="sheddable",reason="shed"} 2.0' in text
+    finally:
+        srv.stop()
 
 
 def test_sigterm_drains_admitted_requests_and_refuses_new_ones():

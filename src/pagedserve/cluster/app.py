@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20
 RETRY_WITHOUT_PENALTY = {429, 503}  # the replica is busy, not broken
-RETRY_WITH_PENALTY = {500, 502, 504}
+RETRY_WITH_PENALTY = {500, 502}  # not 504: a replica's 504 is the request's own deadline, passed everywhere
 DROPPED_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                    "accept-encoding", "proxy-authorization", "proxy-connection"}
 REPLICA_HEADER = "x-pagedserve-replica"
+PASSED_RESPONSE_HEADERS = {"retry-after", "x-pagedserve-degraded"}
 
 
 def error_event(message: str) -> bytes:
@@ -203,7 +204,7 @@ async def _attempt(router: Router, replica: Replica, endpoint: str, body: bytes,
         return StreamingResponse(_relay(router, replica, endpoint, upstream, chunks, first, req),
                                  status_code=200, media_type=upstream.headers.get("content-type"),
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no",
-                                          REPLICA_HEADER: replica.name})
+                                          REPLICA_HEADER: replica.name, **_passed_headers(upstream)})
     except httpx.HTTPError as exc:
         fatal = not isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout))
         reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
@@ -214,6 +215,11 @@ async def _attempt(router: Router, replica: Replica, endpoint: str, body: bytes,
             replica.finish_request(req.est_tokens)
 
 
+def _passed_headers(upstream: httpx.Response) -> dict[str, str]:
+    """The replica's own word to the client: when to retry, and what it degraded under load."""
+    return {k: v for k, v in upstream.headers.items() if k.lower() in PASSED_RESPONSE_HEADERS}
+
+
 def _finish_plain(router: Router, replica: Replica, endpoint: str, upstream: httpx.Response,
                   content: bytes) -> Response | Failure:
     status = upstream.status_code
@@ -221,7 +227,7 @@ def _finish_plain(router: Router, replica: Replica, endpoint: str, upstream: htt
         router.health.request_failed(replica, f"answered {status}", fatal=False)
         return Failure(f"status {status}: {content[:200].decode(errors='replace')}")
     response = Response(content, status_code=status, media_type=upstream.headers.get("content-type"),
-                        headers={REPLICA_HEADER: replica.name})
+                        headers={REPLICA_HEADER: replica.name, **_passed_headers(upstream)})
     if status in RETRY_WITHOUT_PENALTY:
         return Failure(f"status {status}: {content[:200].decode(errors='replace')}", response)
     router.health.request_succeeded(replica)

@@ -6,11 +6,15 @@ rate at which the queue drains (cost tokens started per second while it is non-e
 target gives the queue that can be served in time; an AIMD gain on top corrects it from the TTFTs
 actually measured. Each priority class sees only the queue ahead of it (the engine schedules by
 priority) and may fill only its share of the bound, so sheddable work is refused first, then
-standard, and critical last. Refusals are 429s with a Retry-After from the drain rate; while draining
-or unhealthy, 503s.
+standard, and critical last. The age of the oldest request ahead is bounded the same way (share x
+TTFT target, CoDel's sojourn-time idea): it reacts at once where the rate estimate lags. Admitted
+requests of a class with a queue-wait limit that are still not started by then are shed (a queued
+answer that can only come late is work taken from one that can come in time). Refusals are 429s
+with a Retry-After from the drain rate; while draining or unhealthy, 503s.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -77,6 +81,22 @@ class AdmissionConfig:
     degrade_at: float = 0.5  # queue over this fraction of the bound counts as pressure
     degrade: dict[str, DegradePolicy] = field(
         default_factory=lambda: {"sheddable": DegradePolicy(max_tokens=64, single_sample=True)})
+    # A class's admitted requests not started after this many TTFT targets are shed (429).
+    shed_after: dict[str, float] = field(default_factory=lambda: {"sheddable": 1.0, "standard": 2.0})
+
+
+def parse_shed_after(spec: str) -> dict[str, float]:
+    """'sheddable=1,standard=2' (multiples of the TTFT target) -> per-class limits ('' for none)."""
+    limits: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        cls, _, value = part.partition("=")
+        try:
+            limits[cls] = float(value)
+        except ValueError:
+            limits[cls] = -1.0
+        if cls not in CLASSES or not 0 < limits[cls] < math.inf:
+            raise ValueError(f"shed-after: bad entry {part!r} (CLASS=MULTIPLE, e.g. sheddable=1)")
+    return limits
 
 
 class Rejected(Exception):
@@ -94,8 +114,10 @@ class Ticket:
     cls: str
     cost: int
     admitted_at: float
+    shed_at: float | None = None  # not started by then: shed
     started: bool = False
     done: bool = False
+    key: int = 0
 
 
 class AdmissionController:
@@ -109,7 +131,8 @@ class AdmissionController:
         self.config = config
         self.clock = clock
         self.queued_tokens = dict.fromkeys(CLASSES, 0)
-        self.queued_requests = dict.fromkeys(CLASSES, 0)
+        self.queued: dict[str, dict[int, Ticket]] = {c: {} for c in CLASSES}  # admission order: oldest first
+        self._keys = itertools.count()
         self.in_flight = 0
         self.draining = False
         self.rate: float | None = None  # cost tokens started per second while saturated
@@ -130,12 +153,14 @@ class AdmissionController:
             return self.config.max_queued_tokens
         return min(self.config.max_queued_tokens, max(1.0, self.gain * self.rate * self.config.ttft_slo))
 
-    def ahead(self, cls: str) -> tuple[int, int]:
-        """Queued tokens and requests the engine will start before a new request of this class."""
-        rank = CLASSES[cls]
-        tokens = sum(v for c, v in self.queued_tokens.items() if CLASSES[c] <= rank)
-        requests = sum(v for c, v in self.queued_requests.items() if CLASSES[c] <= rank)
-        return tokens, requests
+    def ahead(self, cls: str) -> tuple[int, int, float]:
+        """Queued tokens, requests, and the oldest one's wait, that the engine starts before a new
+        request of this class."""
+        classes = [c for c in CLASSES if CLASSES[c] <= CLASSES[cls]]
+        oldest = min((next(iter(self.queued[c].values())).admitted_at for c in classes if self.queued[c]),
+                     default=self.clock())
+        return (sum(self.queued_tokens[c] for c in classes), sum(len(self.queued[c]) for c in classes),
+                self.clock() - oldest)
 
     def pressure(self) -> float:
         """Queued tokens over the current bound: 0 idle, 1 full."""
@@ -160,18 +185,24 @@ class AdmissionController:
                          self.retry_after(sum(self.queued_tokens.values())))
         if self.config.enabled:
             self._check_bounds(cls, cost, deadline_s)
-        ticket = Ticket(cls, cost, self.clock())
+        now = self.clock()
+        shed_after = self.config.shed_after.get(cls) if self.config.enabled else None
+        ticket = Ticket(cls, cost, now, None if shed_after is None else now + shed_after * self.config.ttft_slo,
+                        key=next(self._keys))
         self.queued_tokens[cls] += cost
-        self.queued_requests[cls] += 1
+        self.queued[cls][ticket.key] = ticket
         self.in_flight += 1
         self.admitted[cls] += 1
         return ticket
 
     def _check_bounds(self, cls: str, cost: int, deadline_s: float | None) -> None:
-        tokens, requests = self.ahead(cls)
+        tokens, requests, oldest_wait = self.ahead(cls)
         if tokens == 0:
             return
         share = self.config.shares[cls]
+        if oldest_wait > share * self.config.ttft_slo:
+            self._reject(cls, 429, "overloaded", f"server overloaded: the oldest request queued ahead of this "
+                         f"{cls} request has waited {oldest_wait:.1f}s", self.retry_after(tokens))
         if requests + 1 > share * self.config.max_queued_requests:
             self._reject(cls, 429, "queue_full", f"the {cls} queue holds {requests} requests, its bound",
                          self.retry_after(tokens))
@@ -221,16 +252,24 @@ class AdmissionController:
         self.in_flight -= 1
         self._tick()
 
+    def shed(self, ticket: Ticket) -> Rejected:
+        """The error for a ticket whose class's queue-wait limit passed before it started."""
+        tokens = self.queued_tokens[ticket.cls]
+        self.rejected[ticket.cls, "shed"] = self.rejected.get((ticket.cls, "shed"), 0) + 1
+        return Rejected(429, "shed", f"shed under load: this {ticket.cls} request waited "
+                        f"{self.clock() - ticket.admitted_at:.1f}s in the queue without starting",
+                        self.retry_after(tokens))
+
     def _dequeue(self, ticket: Ticket) -> None:
         self.queued_tokens[ticket.cls] -= ticket.cost
-        self.queued_requests[ticket.cls] -= 1
+        del self.queued[ticket.cls][ticket.key]
 
     # ---- measurement ----
 
     def _tick(self) -> None:
         """Closes a drain-rate interval once it is long enough; only saturated intervals measure capacity."""
         now = self.clock()
-        if not any(self.queued_requests.values()):
+        if not any(self.queued.values()):
             self._interval_saturated = False
         dt = now - self._interval_start
         if dt < self.RATE_INTERVAL_S:
@@ -239,7 +278,7 @@ class AdmissionController:
             sample = self._interval_started_cost / dt
             self.rate = sample if self.rate is None else 0.7 * self.rate + 0.3 * sample
         self._interval_start, self._interval_started_cost = now, 0
-        self._interval_saturated = any(self.queued_requests.values())
+        self._interval_saturated = any(self.queued.values())
 
     def _observe_ttft(self, ttft: float) -> None:
         """AIMD: a window whose 90th percentile misses the target cuts the gain by 30%, a comfortable

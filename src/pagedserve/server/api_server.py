@@ -11,7 +11,7 @@ import uvicorn
 
 from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.async_engine import AsyncLLM
-from pagedserve.server.admission import AdmissionConfig, AdmissionController, parse_degrade
+from pagedserve.server.admission import AdmissionConfig, AdmissionController, parse_degrade, parse_shed_after
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.openai_api import create_app
 from pagedserve.server.serving import ServerState
@@ -34,13 +34,13 @@ def build_state(args: argparse.Namespace) -> ServerState:
 def admission_config(args: argparse.Namespace, engine: AsyncLLM) -> AdmissionConfig:
     kv = engine.engine.kv
     try:
-        degrade = parse_degrade(args.degrade)
+        degrade, shed_after = parse_degrade(args.degrade), parse_shed_after(args.shed_after)
     except ValueError as exc:
-        raise SystemExit(f"--degrade: {exc}") from exc
+        raise SystemExit(str(exc)) from exc
     return AdmissionConfig(enabled=args.admission_control == "on",
                            max_queued_tokens=args.max_queued_tokens or kv.num_blocks * kv.block_size,
                            max_queued_requests=args.max_queued_requests, ttft_slo=args.ttft_slo,
-                           degrade_at=args.degrade_at, degrade=degrade)
+                           degrade_at=args.degrade_at, degrade=degrade, shed_after=shed_after)
 
 
 class DrainingServer(uvicorn.Server):

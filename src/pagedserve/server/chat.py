@@ -20,12 +20,12 @@ from pagedserve.server.protocol import (
     random_id,
 )
 from pagedserve.server.serving import (
-    Call,
     EventStream,
     RequestContext,
     ServerState,
     final_outputs,
     merged,
+    primed,
     sampling_params,
     sse,
     start_streams,
@@ -54,7 +54,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request_id = random_id("chatcmpl")
     call = await start_streams(state, ctx, request_id, [prompt], params, "messages")
     if req.stream:
-        return EventStream(_stream(state, req, request_id, call, ctx.degraded), call, ctx.headers)
+        stream = await primed(merged(state, call))
+        return EventStream(_stream(state, req, request_id, stream, ctx.degraded), call, ctx.headers)
     outputs = await final_outputs(state, call)
     choices = [
         ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
@@ -67,7 +68,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str,
-                  call: Call, degraded: list[str] | None) -> AsyncIterator[str]:
+                  outputs: AsyncIterator, degraded: list[str] | None) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     top = (req.top_logprobs or 0) if req.logprobs else None
 
@@ -82,7 +83,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
     try:
         for i in range(req.n):
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-        async for _, out in merged(state, call):
+        async for _, out in outputs:
             last = out
             for c in out.outputs:
                 if c.index in finished:

@@ -61,6 +61,9 @@ def add_admission_args(parser: argparse.ArgumentParser) -> None:
                         "'sheddable:max_tokens=64,n=1;standard:max_tokens=512' ('' for nothing)")
     g.add_argument("--degrade-at", type=float, default=d.degrade_at,
                    help="queue fill (fraction of the bound) from which degradation applies")
+    g.add_argument("--shed-after", default="sheddable=1,standard=2",
+                   help="shed a class's admitted requests still not started after this many TTFT targets "
+                        "(429 with Retry-After); '' never sheds")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -13,12 +13,12 @@ from pagedserve.server.protocol import (
     random_id,
 )
 from pagedserve.server.serving import (
-    Call,
     EventStream,
     RequestContext,
     ServerState,
     final_outputs,
     merged,
+    primed,
     sampling_params,
     sse,
     start_streams,
@@ -47,7 +47,8 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     request_id = random_id("cmpl")
     call = await start_streams(state, ctx, request_id, prompts, params)
     if req.stream:
-        return EventStream(_stream(state, req, request_id, prompts, call, ctx.degraded), call, ctx.headers)
+        stream = await primed(merged(state, call))
+        return EventStream(_stream(state, req, request_id, prompts, stream, ctx.degraded), call, ctx.headers)
     outputs = await final_outputs(state, call)
     choices = [
         CompletionChoice(
@@ -63,13 +64,13 @@ async def create_completion(state: ServerState, req: CompletionRequest,
 
 
 async def _stream(state: ServerState, req: CompletionRequest, request_id: str, prompts: list,
-                  call: Call, degraded: list[str] | None) -> AsyncIterator[str]:
+                  outputs: AsyncIterator, degraded: list[str] | None) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
     last: dict[int, RequestOutput] = {}
     try:
-        async for i, out in merged(state, call):
+        async for i, out in outputs:
             last[i] = out
             for c in out.outputs:
                 index = i * req.n + c.index

@@ -143,8 +143,11 @@ def _admit(state: ServerState, ctx: RequestContext, prompt_ids: list[list[int]],
     try:
         return state.admission.admit(ctx.priority, cost, ctx.timeout)
     except Rejected as exc:
-        raise APIError(exc.status, exc.message, code=exc.code,
-                       headers={"Retry-After": str(exc.retry_after)}) from exc
+        raise _refusal(exc) from exc
+
+
+def _refusal(exc: Rejected) -> APIError:
+    return APIError(exc.status, exc.message, code=exc.code, headers={"Retry-After": str(exc.retry_after)})
 
 
 def _degraded(state: ServerState, ctx: RequestContext, params: SamplingParams) -> SamplingParams:
@@ -196,7 +199,7 @@ async def merged(state: ServerState, call: Call) -> AsyncIterator[tuple[int, Req
     try:
         remaining = len(streams)
         while remaining:
-            i, item = await _next(queue, call.deadline)
+            i, item = await _next(queue, call)
             if isinstance(item, BaseException):
                 raise _api_error(item)
             state.admission.started(call.ticket)
@@ -209,14 +212,34 @@ async def merged(state: ServerState, call: Call) -> AsyncIterator[tuple[int, Req
         call.close()
 
 
-async def _next(queue: asyncio.Queue, deadline: float | None) -> Any:
-    if deadline is None:
+async def _next(queue: asyncio.Queue, call: Call) -> Any:
+    """The next output, or a 429 when the call is shed before starting, or a 504 past its deadline."""
+    ticket, limit = call.ticket, call.deadline
+    shedding = not ticket.started and ticket.shed_at is not None and (limit is None or ticket.shed_at < limit)
+    if shedding:
+        limit = ticket.shed_at
+    if limit is None:
         return await queue.get()
     try:
-        return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+        return await asyncio.wait_for(queue.get(), max(0.0, limit - time.monotonic()))
     except TimeoutError:
+        if shedding:
+            raise _refusal(call.admission.shed(ticket)) from None
         raise APIError(504, "the request's deadline passed before it finished", "timeout",
                        "deadline_exceeded") from None
+
+
+async def primed(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Waits for the first output, so that a stream refused or shed before its first token gets a
+    plain HTTP error (which a router may retry elsewhere) instead of a 200 with an error event."""
+    first = await anext(outputs)
+
+    async def chained() -> AsyncIterator[tuple[int, RequestOutput]]:
+        yield first
+        async for item in outputs:
+            yield item
+
+    return chained()
 
 
 def _api_error(exc: BaseException) -> BaseException:
