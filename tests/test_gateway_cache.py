@@ -28,7 +28,7 @@ class Clock:
 @pytest.fixture(scope="module")
 def embedder():
     torch.set_num_threads(1)  # as the gateway does: short queries, shared cores
-    return Embedder.load()
+    return Embedder.load().fast()  # the gateway's embedder: false-hit tests hold for what it serves
 
 
 def vec(embedder, text: str) -> np.ndarray:

@@ -59,6 +59,19 @@ class Embedder:
         logger.info("loaded embedding model %s (dim %d) from %s", name, config.hidden_size, folder)
         return cls(model, tokenizer, name, max_len, batch_size)
 
+    def fast(self) -> Embedder:
+        """The same embedder on fp16-weight fbgemm kernels (fast.py): about twice as fast for one short
+        query and within cosine 0.99999 of this one. Returns self where this PyTorch lacks the kernels."""
+        from pagedserve.embedding.fast import FastBertModel, fast_kernels_available
+
+        if isinstance(self.model, FastBertModel):
+            return self
+        if not fast_kernels_available():
+            logger.warning("fbgemm kernels unavailable: embedding with %s in fp32", self.model_name)
+            return self
+        return Embedder(FastBertModel(self.model), self.tokenizer, self.model_name, self.max_seq_length,
+                        self.batch_size)
+
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens each text takes in the encoder (special tokens included, after truncation)."""
         return [len(e.ids) for e in self.tokenizer.encode_batch(texts)]
@@ -74,14 +87,20 @@ class Embedder:
             out[chunk] = self._embed_batch([encodings[i].ids for i in chunk])
         return out
 
-    @torch.inference_mode()
-    def _embed_batch(self, batch: list[list[int]]) -> np.ndarray:
+    @staticmethod
+    def _tensors(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids padded to the batch's longest text, and the mask that is True on real tokens."""
         width = max(len(ids) for ids in batch)
         input_ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.bool)
         for row, ids in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids)
             mask[row, : len(ids)] = True
+        return input_ids, mask
+
+    @torch.inference_mode()
+    def _embed_batch(self, batch: list[list[int]]) -> np.ndarray:
+        input_ids, mask = self._tensors(batch)
         with self._lock:
             hidden = self.model(input_ids, mask)
         weights = mask.unsqueeze(-1).to(hidden.dtype)
