@@ -406,3 +406,27 @@ def test_openapi_matches_server(server):
         r = httpx.post(f"{server}{path}", json=body, headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text
     assert "HTTPBearer" in str(doc["components"].get("securitySchemes", {}))
+
+
+def test_accepted_connections_have_nagle_off():
+    """With Nagle on, each response body waited ~40 ms behind its headers for the client's delayed ACK."""
+    import socket
+
+    from pagedserve.server.api_server import bind
+
+    async def accepted_nodelay() -> int:
+        sock = bind("127.0.0.1", 0)
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def on_connect(_reader, writer) -> None:
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        value = await asyncio.wait_for(seen, 10)
+        writer.close()
+        server.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0
