@@ -95,6 +95,13 @@ def test_drain_rate_is_measured_only_while_saturated_and_sets_the_bound():
     assert ctl.limit_tokens == pytest.approx(ctl.gain * 1000 * 2.0, rel=0.05)
 
 
+def test_light_load_that_never_backlogs_the_engine_does_not_pass_for_low_capacity():
+    clock = Clock()
+    ctl = AdmissionController(AdmissionConfig(max_queued_tokens=100_000), clock, backlogged=lambda: False)
+    saturate(ctl, clock, cost=100, per_interval=5, intervals=6)  # the queue is never empty, the engine never full
+    assert ctl.rate is None and ctl.limit_tokens == 100_000
+
+
 def test_retry_after_comes_from_the_drain_rate():
     ctl, clock = controller(max_queued_tokens=100_000, ttft_slo=1.0)
     saturate(ctl, clock, cost=100, per_interval=5, intervals=6)  # rate 1000/s, bound about 1000 * gain

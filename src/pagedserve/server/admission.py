@@ -3,8 +3,9 @@
 A request's cost is its KV need in tokens, prompt + max_tokens for each of its n samples. The queue
 (admitted, no first token yet) is bounded in tokens and in requests. The token bound adapts: the
 rate at which the queue drains (cost tokens started per second while it is non-empty) times the TTFT
-target gives the queue that can be served in time; an AIMD gain on top corrects it from the TTFTs
-actually measured. Each priority class sees only the queue ahead of it (the engine schedules by
+target gives the queue that can be served in time (measured only while the engine is backlogged, so
+that light load, which starts requests as they come, does not pass for low capacity); an AIMD gain on
+top corrects it from the TTFTs actually measured. Each priority class sees only the queue ahead of it (the engine schedules by
 priority) and may fill only its share of the bound, so sheddable work is refused first, then
 standard, and critical last. The age of the oldest request ahead is bounded the same way (share x
 TTFT target, CoDel's sojourn-time idea): it reacts at once where the rate estimate lags. Admitted
@@ -18,6 +19,7 @@ import itertools
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 CLASSES = {"critical": -1, "standard": 0, "sheddable": 1}
@@ -127,9 +129,14 @@ class AdmissionController:
     # here instead of starving the engine: a short queue still keeps every seat busy.
     MIN_GAIN = 0.25
 
-    def __init__(self, config: AdmissionConfig, clock=time.monotonic):
+    def __init__(self, config: AdmissionConfig, clock=time.monotonic,
+                 backlogged: Callable[[], bool] | None = None):
+        """backlogged() says whether the engine holds requests it cannot start yet (at its seat, KV or
+        token-budget limit); only such intervals measure capacity. Default: the admission queue is
+        non-empty, which also counts a lone request in prefill and so underestimates capacity."""
         self.config = config
         self.clock = clock
+        self.backlogged = backlogged or (lambda: any(self.queued.values()))
         self.queued_tokens = dict.fromkeys(CLASSES, 0)
         self.queued: dict[str, dict[int, Ticket]] = {c: {} for c in CLASSES}  # admission order: oldest first
         self._keys = itertools.count()
@@ -269,7 +276,7 @@ class AdmissionController:
     def _tick(self) -> None:
         """Closes a drain-rate interval once it is long enough; only saturated intervals measure capacity."""
         now = self.clock()
-        if not any(self.queued.values()):
+        if not self.backlogged():
             self._interval_saturated = False
         dt = now - self._interval_start
         if dt < self.RATE_INTERVAL_S:
@@ -278,7 +285,7 @@ class AdmissionController:
             sample = self._interval_started_cost / dt
             self.rate = sample if self.rate is None else 0.7 * self.rate + 0.3 * sample
         self._interval_start, self._interval_started_cost = now, 0
-        self._interval_saturated = any(self.queued.values())
+        self._interval_saturated = self.backlogged()
 
     def _observe_ttft(self, ttft: float) -> None:
         """AIMD: a window whose 90th percentile misses the target cuts the gain by 30%, a comfortable

@@ -27,8 +27,10 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
         embedder = Embedder.load(None if args.embedding_model == "default" else args.embedding_model)
     name = args.served_model_name or engine.model_name
+    admission = AdmissionController(admission_config(args, engine),
+                                    backlogged=lambda: engine.stats.num_waiting > 0)
     return ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder,
-                       admission=AdmissionController(admission_config(args, engine)))
+                       admission=admission)
 
 
 def admission_config(args: argparse.Namespace, engine: AsyncLLM) -> AdmissionConfig:
