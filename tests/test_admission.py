@@ -2,6 +2,8 @@
 controller; the scheduler runs over a real KV manager."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pagedserve.engine.kv_cache import KVCacheManager
@@ -231,6 +233,15 @@ def test_waiting_critical_preempts_the_cheapest_sheddable_for_a_seat():
     assert out.preempted == [(short_shed, "priority")]  # fewer tokens to recompute than the long one
     assert critical in sched.running and long_shed in sched.running
     assert sched.preemptions == {"kv_pressure": 0, "priority": 1}
+
+
+def test_a_fresh_critical_request_waits_briefly_for_a_seat_before_preempting():
+    sched = Scheduler(KVCacheManager(64, BLOCK), max_num_seqs=1, max_num_batched_tokens=256,
+                      priority_preemption_delay=60.0)
+    sched.add(request("shed", 8, SHEDDABLE))
+    run_step(sched)
+    sched.add(request("crit", 8, CRITICAL, time.monotonic()))
+    assert run_step(sched).preempted == []  # it arrived just now: a seat may free up first
 
 
 def test_a_less_important_request_never_preempts_a_more_important_one():

@@ -17,6 +17,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     preemption_protect_after: int = 3  # a request preempted this often is preempted last
+    priority_preemption_delay: float = 0.5  # seconds a more important request waits before it preempts
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     attention_backend: str = "cpp"  # cpp: our C++ paged decode kernel (PyTorch fallback); torch: PyTorch only
     seed: int = 0
@@ -50,6 +51,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget of one step (prefill chunks and decodes together)")
     g.add_argument("--preemption-protect-after", type=int, default=d.preemption_protect_after,
                    help="a request preempted this many times is chosen last as a victim (anti-thrashing)")
+    g.add_argument("--priority-preemption-delay", type=float, default=d.priority_preemption_delay,
+                   help="seconds a waiting request waits for a seat or blocks before it preempts a less "
+                        "important running one")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn automatic prefix caching off")
     g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads (default: all cores)")

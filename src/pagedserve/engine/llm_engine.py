@@ -85,7 +85,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, loaded.config, self.dtype, num_blocks, config.block_size,
                                   use_kernel=config.attention_backend == "cpp")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_protect_after)
+                                   config.preemption_protect_after, config.priority_preemption_delay)
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, tuple[RequestGroup, int]] = {}
         self.rng = random.Random(config.seed)

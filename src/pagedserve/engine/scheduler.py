@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from pagedserve.engine.kv_cache import KVCacheManager
@@ -32,11 +33,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 protect_after: int = 3) -> None:
+                 protect_after: int = 3, priority_preemption_delay: float = 0.5) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.protect_after = protect_after
+        self.priority_preemption_delay = priority_preemption_delay
         self.waiting: list[tuple[int, float, int, Request]] = []  # heap: (priority, arrival, tiebreak, req)
         self.running: list[Request] = []
         self.preemptions: dict[str, int] = {"kv_pressure": 0, "priority": 0}
@@ -92,10 +94,14 @@ class Scheduler:
         return True
 
     def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
-        """Makes room for the most important waiting request by preempting strictly less important ones."""
+        """Makes room for the most important waiting request by preempting strictly less important ones,
+        once it has waited priority_preemption_delay seconds: under load a seat or blocks usually free up
+        sooner than that, and a preemption throws away the victim's computed tokens."""
         if not self.waiting:
             return
         head = self.waiting[0][3]
+        if time.monotonic() - head.arrival_time < self.priority_preemption_delay:
+            return
         need = -(-min(head.num_tokens, self.max_num_batched_tokens) // self.kv.block_size)
         while len(self.running) >= self.max_num_seqs or self.kv.num_free_blocks < need:
             victim = self._cheapest([r for r in self.running if r.priority > head.priority])
