@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedserve.benchreport import replace_section
+from pagedserve.benchreport import command_line, replace_section
 
 SECTION = "## Gateway"
 REPO = Path(__file__).resolve().parents[3]
@@ -233,7 +233,7 @@ def replay(args: argparse.Namespace, tmp: Path, embedder, questions: list[str]) 
 
 def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) -> str:
     out = [SECTION, "",
-           f"Command: `{' '.join(['pagedserve bench gateway', *args.argv])}`",
+           f"Command: `{command_line()}`",
            (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other work "
            f"(load average {load[0]:.1f} before, {load[1]:.1f} after); CPU only. Date: {datetime.now():%Y-%m-%d %H:%M}."),
            "", "### Latency added on a cache miss (SmolLM2-135M engine, max_tokens=1; added = paired difference)", "",
@@ -268,9 +268,7 @@ def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) 
 
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pagedserve bench gateway", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=200, help="measured call pairs per gateway configuration")
     p.add_argument("--entries", type=int, default=100_000, help="semantic-cache entries for the lookup benchmark")
     p.add_argument("--queries", type=int, default=1000, help="lookups timed at that size")
@@ -280,18 +278,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.95, 0.9], help="similarity thresholds")
     p.add_argument("--skip-overhead", action="store_true", help="skip the part that starts servers")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md is")
-    args = p.parse_args(argv)
-    args.argv = argv
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks/gateway.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_args(p.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
     import torch
 
     from pagedserve.embedding import Embedder
     from pagedserve.gateway.classify import load_examples
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     load_before = os.getloadavg()[0]
     torch.set_num_threads(1)

@@ -65,11 +65,12 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     gsub.add_parser("train-classifier", help="train the difficulty classifier now (build time) into "
                     "$PAGEDSERVE_CACHE and print its cross-validated accuracy").set_defaults(func=_train)
 
+    from pagedserve.gateway import bench_gateway
+
     b = bench.add_parser("gateway", help="gateway overhead, semantic-cache lookup at 100k entries, hit rate",
-                         description="Latency added over direct engine calls, cache lookup at 100k entries, hit "
-                                     "rate and staleness on a replayed stream; writes docs/benchmarks.md.")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of benchmarks/gateway.py (see its --help)")
-    b.set_defaults(func=_bench)
+                         description=bench_gateway.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_gateway.add_arguments(b)
+    b.set_defaults(func=bench_gateway.run_args)
 
 
 def _config(args: argparse.Namespace):
@@ -218,8 +219,3 @@ def _train(args: argparse.Namespace) -> int:
     print(f"weights -> {path} ({np.asarray(model.weights).size} features)")
     return 0
 
-
-def _bench(args: argparse.Namespace) -> int:
-    from pagedserve.gateway.bench_gateway import main
-
-    return main(args.bench_args)
