@@ -23,6 +23,7 @@ class BatchInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, dtype: torch.dtype, num_blocks: int,
                  block_size: int, use_kernel: bool = True) -> None:
+        model.use_fast_path(use_kernel)
         self.model = model
         self.use_kernel = use_kernel
         self.block_size = block_size

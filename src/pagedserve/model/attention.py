@@ -44,15 +44,12 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: in
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, block_size: int, scale: float) -> torch.Tensor:
     """q: [T, H, d]; k, v: [T, KV, d] of this step (already in the cache). Returns [T, H, d]."""
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    if nd == q.shape[0]:  # a pure decode step: the decode output is the whole output
+        return decode_attention(q, k_cache, v_cache, meta, block_size, scale)
+    out = torch.empty_like(q)
     if nd:
-        kernels = cpu_kernels() if meta.use_kernel and q.device.type == "cpu" else None
-        if kernels is not None:
-            out[:nd] = kernels.paged_decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_context_lens, block_size, scale)
-        else:
-            out[:nd] = decode_attention_torch(q[:nd], k_cache, v_cache, meta, block_size, scale)
+        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta, block_size, scale)
     for p in meta.prefills:
         rows = slice(p.start, p.start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
@@ -69,6 +66,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                 attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     block_size: int, scale: float) -> torch.Tensor:
+    """q: [B, H, d], one query per decode row. Returns [B, H, d]."""
+    kernels = cpu_kernels() if meta.use_kernel and q.device.type == "cpu" else None
+    if kernels is None:
+        return decode_attention_torch(q, k_cache, v_cache, meta, block_size, scale)
+    return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                          block_size, scale)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

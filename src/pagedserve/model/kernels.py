@@ -1,9 +1,10 @@
 """Our C++ CPU kernels, compiled on first use into the virtualenv (per machine, -march=native).
 
-If no compiler is available the engine falls back to the pure-PyTorch attention path.
+If no compiler is available the engine falls back to the pure-PyTorch path.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 from functools import cache
@@ -12,6 +13,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
 
 
 @cache
@@ -19,12 +21,14 @@ def cpu_kernels():
     """The compiled extension module, or None when it cannot be built here."""
     from torch.utils.cpp_extension import load
 
-    build_dir = Path(sys.prefix) / "pagedserve_kernels"
+    # One folder per source version: checkouts sharing a virtualenv never rebuild over each other.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
+    build_dir = Path(sys.prefix) / "pagedserve_kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name="pagedserve_cpu_kernels", sources=[str(CSRC / "paged_attention.cpp")],
+        return load(name="pagedserve_cpu_kernels", sources=[str(p) for p in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 -- a missing compiler or headers: the torch path still works
-        logger.warning("C++ attention kernel unavailable (%s); using the PyTorch path", e)
+        logger.warning("C++ kernels unavailable (%s); using the PyTorch path", e)
         return None

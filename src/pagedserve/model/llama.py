@@ -2,13 +2,27 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pagedserve.model.kernels import cpu_kernels
+from pagedserve.model.linear import Linear, can_pack, pack_linears
 from pagedserve.model.model_config import ModelConfig
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every layer of one forward pass shares, computed once per step rather than once per layer."""
+    meta: AttentionMetadata
+    block_size: int
+    cos: torch.Tensor  # [T, d/2] at each token's position: fp32 for the kernels, else the model dtype
+    sin: torch.Tensor
+    kernels: Any | None  # the fused bf16 C++ ops; None: plain PyTorch ops (the fp32 reference path)
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +31,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Any | None) -> torch.Tensor:
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -38,13 +54,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, d/2] at positions."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, d]; cos, sin: [T, d/2]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -67,31 +84,41 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, block_size: int) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                ctx: StepContext) -> torch.Tensor:
+        """Returns residual + attention(x)."""
+        qkv = self.qkv_proj(x)
+        if ctx.kernels is not None:  # rotates q and k inside qkv and writes k, v to the cache in one pass
+            ctx.kernels.rope_and_cache(qkv, ctx.cos, ctx.sin, kv[0], kv[1], ctx.meta.slot_mapping, self.num_heads,
+                                       self.num_kv_heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, block_size, self.scale)
-        return self.o_proj(o.flatten(1))
+        if ctx.kernels is None:
+            q, k = rotate(q, ctx.cos, ctx.sin), rotate(k, ctx.cos, ctx.sin)
+            write_kv(kv[0], kv[1], k, v, ctx.meta.slot_mapping)
+        o = paged_attention(q, k, v, kv[0], kv[1], ctx.meta, ctx.block_size, self.scale)
+        return self.o_proj(o.flatten(1), residual)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, kernels: Any | None) -> torch.Tensor:
+        """Returns residual + mlp(x)."""
+        gate_up = self.gate_up_proj(x)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up), residual)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -102,9 +129,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rope, kv, meta, block_size):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta, block_size)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+        x = self.self_attn(self.input_layernorm(x, ctx.kernels), x, kv, ctx)
+        return self.mlp(self.post_attention_layernorm(x, ctx.kernels), x, ctx.kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,17 +142,28 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, freq_factors)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.kernels: Any | None = None
+
+    def use_fast_path(self, use_kernels: bool) -> None:
+        """After loading, in the final dtype: bf16 on CPU prepacks the linears and runs the fused C++ ops."""
+        weight = self.embed_tokens.weight
+        if can_pack(weight.dtype, weight.device):
+            pack_linears(self)
+        if use_kernels and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            self.kernels = cpu_kernels()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, block_size: int) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; logits are computed only where a token is sampled."""
         x = self.embed_tokens(input_ids)
+        cos, sin = self.rope.tables(positions, torch.float32 if self.kernels is not None else x.dtype)
+        ctx = StepContext(meta, block_size, cos, sin, self.kernels)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta, block_size)
-        return self.norm(x)
+            x = layer(x, kv, ctx)
+        return self.norm(x, self.kernels)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

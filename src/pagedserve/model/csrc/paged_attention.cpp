@@ -37,7 +37,7 @@ static inline float dot(const float* __restrict__ a, const float* __restrict__ b
 }
 
 struct Shape {
-  int64_t num_seqs, num_heads, num_kv_heads, block_size, max_blocks;
+  int64_t num_seqs, num_heads, num_kv_heads, block_size, max_blocks, q_row_stride;
   float scale;
 };
 
@@ -53,7 +53,7 @@ static void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_
   alignas(64) float row[D];
   scores.resize(group * len);
   for (int64_t g = 0; g < group; ++g) {
-    to_float<scalar_t, D>(q + (seq * s.num_heads + kvh * group + g) * D, qf[g]);
+    to_float<scalar_t, D>(q + seq * s.q_row_stride + (kvh * group + g) * D, qf[g]);
     for (int i = 0; i < D; ++i) qf[g][i] *= s.scale;
   }
   for (int64_t t = 0; t < len; ++t) {
@@ -102,12 +102,14 @@ static void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
   });
 }
 
-// q: [B, H, D]; k_cache, v_cache: [slots, KV, D]; block_tables: [B, max_blocks] int64; context_lens: [B] int64
+// q: [B, H, D], rows may be strided (a slice of the fused qkv); k_cache, v_cache: [slots, KV, D];
+// block_tables: [B, max_blocks] int64; context_lens: [B] int64
 // (tokens to attend, the current one included). Returns [B, H, D]. D is 64 or 128; at most 8 query heads per KV head.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row [H, D] must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "block_tables and context_lens must be int64");
   const int64_t head_dim = q.size(2);
@@ -115,8 +117,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.size(1) / k_cache.size(1) <= 8, "at most 8 query heads per KV head");
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
-  auto out = torch::empty_like(q);
-  Shape s{q.size(0), q.size(1), k_cache.size(1), block_size, bt.size(1), static_cast<float>(scale)};
+  auto out = torch::empty({q.size(0), q.size(1), head_dim}, q.options());
+  Shape s{q.size(0), q.size(1), k_cache.size(1), block_size, bt.size(1), q.stride(0), static_cast<float>(scale)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto d) {
       decode<scalar_t, decltype(d)::value>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
@@ -127,8 +129,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     else run(std::integral_constant<int, 128>{});
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool");
 }

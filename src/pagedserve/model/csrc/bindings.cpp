@@ -1,0 +1,16 @@
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                    torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] bf16 projection");
+  m.def("rope_and_cache", &rope_and_cache, "rotate q and k in place and write k, v into the paged caches");
+}

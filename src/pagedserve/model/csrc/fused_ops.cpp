@@ -1,0 +1,115 @@
+// Fused bf16 elementwise ops of one decoder layer: each is one pass over memory with fp32 math,
+// where PyTorch's bf16 versions take 3-8 ops (and as many passes and dispatches) each.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+static inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, as at::BFloat16 does (inputs here are finite).
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+static inline uint16_t* bits_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// Rows per task so that a decode-sized call runs on one thread: waking the pool costs more than the work.
+static inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, row_elems)); }
+
+static void check_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, " must be bfloat16");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have unit stride in its last dimension");
+}
+
+// x: [T, H] (rows may be strided), w: [H]. Returns w * x / rms(x) as a new contiguous [T, H].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_bf16(x, "x");
+  check_bf16(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.is_contiguous() && w.size(0) == x.size(1), "x must be [T, H] and w [H]");
+  const int64_t rows = x.size(0), h = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({rows, h}, x.options());
+  const uint16_t *xp = bits(x), *wp = bits(w);
+  uint16_t* op = bits_mut(out);
+  at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* xr = xp + r * ld;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) { const float v = bf16_to_float(xr[i]); ss += v * v; }
+      const float inv = 1.f / std::sqrt(ss / h + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) op[r * h + i] = float_to_bf16(bf16_to_float(xr[i]) * inv * bf16_to_float(wp[i]));
+    }
+  });
+  return out;
+}
+
+// gate_up: [T, 2I] = [gate | up]. Returns silu(gate) * up, [T, I].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2I]");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const uint16_t* gp = bits(gate_up);
+  uint16_t* op = bits_mut(out);
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t *g = gp + r * ld, *u = g + n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = bf16_to_float(g[i]);
+        op[r * n + i] = float_to_bf16(a / (1.f + std::exp(-a)) * bf16_to_float(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+// qkv: [T, (H + 2 KV) * D], the fused projection's output. Rotates q and k in place (rotate-half RoPE,
+// cos/sin: [T, D/2] fp32, already gathered at each token's position) and writes k and v into the caches
+// ([slots, KV, D]) at slot_mapping.
+void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                    torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  check_bf16(qkv, "qkv");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous bfloat16");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous(), "cos and sin must be contiguous float32");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  const int64_t rows = qkv.size(0), ld = qkv.stride(0), d = k_cache.size(2), half = d / 2;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && cos.size(0) == rows && cos.size(1) == half &&
+              slot_mapping.size(0) == rows && k_cache.size(1) == num_kv_heads, "shapes do not match");
+  uint16_t* base = bits_mut(qkv);
+  uint16_t *kc = bits_mut(k_cache), *vc = bits_mut(v_cache);
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t kv_row = num_kv_heads * d;
+  at::parallel_for(0, rows, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      uint16_t* row = base + t * ld;
+      const float *c = cp + t * half, *s = sp + t * half;
+      for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {
+        uint16_t* x = row + head * d;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+          x[i] = float_to_bf16(x1 * c[i] - x2 * s[i]);
+          x[i + half] = float_to_bf16(x2 * c[i] + x1 * s[i]);
+        }
+      }
+      std::memcpy(kc + slots[t] * kv_row, row + num_heads * d, kv_row * 2);
+      std::memcpy(vc + slots[t] * kv_row, row + (num_heads + num_kv_heads) * d, kv_row * 2);
+    }
+  });
+}

@@ -1,0 +1,74 @@
+"""The fused bf16 C++ ops against the PyTorch ops they replace (computed in fp32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model.kernels import cpu_kernels
+from pagedserve.model.llama import rotate
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("no C++ compiler here")
+    return k
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == BF16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+def test_rms_norm(kernels, rows: int) -> None:
+    x = torch.randn(rows, 2 * 576, dtype=BF16)[:, :576] * 3  # strided rows, as a slice would give
+    w = torch.rand(576, dtype=BF16) + 0.5
+    close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x.float(), (576,), w.float(), 1e-5))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 300])
+def test_silu_and_mul(kernels, rows: int) -> None:
+    gate_up = torch.randn(rows, 2 * 1536, dtype=BF16) * 4
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    close(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_rope_and_cache(kernels, rows: int) -> None:
+    heads, kv_heads, d, slots = 9, 3, 64, 40
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, dtype=BF16)
+    angles = torch.rand(rows, d // 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slot_mapping = torch.randperm(slots)[:rows]
+    k_cache, v_cache = torch.zeros(slots, kv_heads, d, dtype=BF16), torch.zeros(slots, kv_heads, d, dtype=BF16)
+    q, k, v = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_ref, k_ref = rotate(q.view(rows, heads, d), cos, sin), rotate(k.view(rows, kv_heads, d), cos, sin)
+    kernels.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)
+    close(qkv[:, :heads * d].view(rows, heads, d), q_ref)
+    close(qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d), k_ref)
+    close(k_cache[slot_mapping], k_ref)
+    assert torch.equal(v_cache[slot_mapping], v.view(rows, kv_heads, d).to(BF16))
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_bf16_fast_path_matches_plain_pytorch(kernels) -> None:
+    """The whole bf16 model on the fused ops against the same model on PyTorch's elementwise ops."""
+    from pagedserve.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    prompts = ["The three most important inventions in history are", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
+    fast, plain = LLM(dtype="bfloat16", kv_cache_memory="16MiB"), LLM(dtype="bfloat16", kv_cache_memory="16MiB")
+    plain.engine.runner.model.kernels = None
+    for a, b in zip(fast.generate(prompts, params), plain.generate(prompts, params)):
+        got, expected = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        token = a.outputs[0].token_ids[0]
+        assert abs(got[token].logprob - expected[token].logprob) < 0.1
