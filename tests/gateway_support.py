@@ -18,8 +18,10 @@ from tests.polling import wait_for
 
 TESTS = Path(__file__).parent
 # Small replicas: two share 2 cores, one thread each.
-SERVER_ARGS = ["--kv-cache-memory", "32MiB", "--max-num-seqs", "8", "--num-threads", "1", "--max-model-len", "1024",
-               "--embedding-model", "none", "--disable-access-log"]
+# fp32: tests compare greedy outputs across requests, and bf16 logits move with the prefill shape (a prefix-cache
+# hit prefills fewer tokens), which can flip an argmax.
+SERVER_ARGS = ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-num-seqs", "8", "--num-threads", "1",
+               "--max-model-len", "1024", "--embedding-model", "none", "--disable-access-log"]
 
 
 class Process:
