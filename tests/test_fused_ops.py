@@ -72,3 +72,27 @@ def test_bf16_fast_path_matches_plain_pytorch(kernels) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         token = a.outputs[0].token_ids[0]
         assert abs(got[token].logprob - expected[token].logprob) < 0.1
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 64, 8),
+                                                                   (6, 3, 64, 32), (10, 2, 64, 16)])
+def test_paged_decode_attention(kernels, dtype, heads: int, kv_heads: int, d: int, block_size: int) -> None:
+    """The decode kernel (online-softmax AVX-512 BF16 path for bf16) against gather-then-matmul in fp32;
+    lengths around block and 16-token chunk edges, shuffled blocks, q a strided slice of a fused qkv."""
+    from pagedserve.model.attention import AttentionMetadata, decode_attention_torch
+
+    torch.manual_seed(0)
+    lens = [1, 15, 16, 17, 33, 300]
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(dtype)
+    tables = torch.randperm(num_blocks)[:len(lens) * max_blocks].view(len(lens), max_blocks)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * d).to(dtype) * 3  # sharp softmaxes too
+    q = qkv[:, :heads * d].view(len(lens), heads, d)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), tables, torch.tensor(lens), [])
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), block_size, d ** -0.5)
+    expected = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, block_size, d ** -0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=1e-2)
