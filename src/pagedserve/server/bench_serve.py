@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import httpx
 import numpy as np
 
 from pagedserve.benchreport import command_line, replace_section
+from pagedserve.workloads import corpus_tokens, mix
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +69,9 @@ class RateResult:
 
 
 def mix_workload(tokenizer, num_requests: int, seed: int) -> list[BenchRequest]:
-    """MIX: prompt lengths 64-512 and output lengths 16-256 from a fixed seed; prompts are different
-    token slices of one English text (repeated as needed)."""
-    ids = tokenizer.encode(_english_text())
-    rng = random.Random(seed)
-    out = []
-    for _ in range(num_requests):
-        n_prompt, n_out = rng.randint(64, 512), rng.randint(16, 256)
-        start = rng.randrange(0, max(1, len(ids) - n_prompt))
-        prompt = (ids[start:] + ids)[:n_prompt]
-        out.append(BenchRequest(prompt, tokenizer.decode(prompt), n_out))
-    return out
-
-
-def _english_text() -> str:
-    for path in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0"):
-        if Path(path).is_file():
-            return Path(path).read_text()
-    return (__doc__ or "") * 100
+    """MIX of the engine benchmark (pagedserve.workloads.mix), with each prompt's text for servers fed text."""
+    return [BenchRequest(job.prompt_token_ids, tokenizer.decode(job.prompt_token_ids), job.max_tokens)
+            for job in mix(corpus_tokens(tokenizer), num_requests, seed)]
 
 
 # ---- one streamed request ----
