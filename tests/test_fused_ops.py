@@ -77,13 +77,14 @@ def test_bf16_fast_path_matches_plain_pytorch(kernels) -> None:
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 64, 8),
                                                                    (6, 3, 64, 32), (10, 2, 64, 16)])
-def test_paged_decode_attention(kernels, dtype, heads: int, kv_heads: int, d: int, block_size: int) -> None:
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 33, 300], [300]])
+def test_paged_decode_attention(kernels, dtype, heads: int, kv_heads: int, d: int, block_size: int,
+                                lens: list[int]) -> None:
     """The decode kernel (online-softmax AVX-512 BF16 path for bf16) against gather-then-matmul in fp32;
     lengths around block and 16-token chunk edges, shuffled blocks, q a strided slice of a fused qkv."""
     from pagedserve.model.attention import AttentionMetadata, decode_attention_torch
 
     torch.manual_seed(0)
-    lens = [1, 15, 16, 17, 33, 300]
     max_blocks = -(-max(lens) // block_size)
     num_blocks = len(lens) * max_blocks + 3
     k_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(dtype)
