@@ -97,3 +97,44 @@ def test_paged_decode_attention(kernels, dtype, heads: int, kv_heads: int, d: in
     expected = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, block_size, d ** -0.5)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 64, 8),
+                                                                   (10, 2, 64, 32)])
+def test_prefill_attention(kernels, heads: int, kv_heads: int, d: int, block_size: int) -> None:
+    """The bf16 prefill kernel against SDPA (fp32) on the same spans: fresh prompts of lengths around the
+    16-token tiles and chunked continuations over cached context, in one step after two decode rows."""
+    from pagedserve.model.attention import AttentionMetadata, PrefillSpan, gather_blocks
+
+    if not kernels.prefill_attention_available():
+        pytest.skip("no AVX-512 BF16 here")
+    torch.manual_seed(0)
+    shapes = [(1, 0), (15, 0), (16, 0), (17, 0), (130, 0), (5, 40), (33, 17), (64, 200)]  # (new tokens, cached)
+    max_blocks = -(-max(n + c for n, c in shapes) // block_size)
+    num_blocks = len(shapes) * max_blocks
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(BF16)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(BF16)
+    tables = torch.randperm(num_blocks).view(len(shapes), max_blocks)
+    nd = 2
+    rows = nd + sum(n for n, _ in shapes)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d).to(BF16) * 3
+    q = qkv[:, :heads * d].view(rows, heads, d)
+    spans, start = [], nd
+    for (n, c), table in zip(shapes, tables):
+        spans.append(PrefillSpan(start, n, c, table))
+        start += n
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), nd, tables[:nd], torch.tensor([7, 9]), spans,
+                             prefill_spans=torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans]),
+                             prefill_tables=tables)
+    out = torch.zeros(rows, heads, d, dtype=BF16)
+    kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_spans, meta.prefill_tables, block_size, d ** -0.5, out)
+    assert not out[:nd].any()  # decode rows are the decode kernel's
+    for p in spans:
+        total = p.context_len + p.num_tokens
+        kp = gather_blocks(k_cache, p.block_table, block_size)[:total].float().transpose(0, 1).unsqueeze(0)
+        vp = gather_blocks(v_cache, p.block_table, block_size)[:total].float().transpose(0, 1).unsqueeze(0)
+        qp = q[p.start:p.start + p.num_tokens].float().transpose(0, 1).unsqueeze(0)
+        mask = torch.arange(total).unsqueeze(0) <= torch.arange(p.num_tokens).unsqueeze(1) + p.context_len
+        expected = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
+        got = out[p.start:p.start + p.num_tokens]
+        torch.testing.assert_close(got.float(), expected.squeeze(0).transpose(0, 1), rtol=2e-2, atol=2e-2)

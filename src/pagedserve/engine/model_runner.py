@@ -59,6 +59,9 @@ class ModelRunner:
                 sample_reqs.append(req)
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes),
                                  *self._decode_tables(decodes, block_tables), spans, self.use_kernel)
+        if spans:
+            meta.prefill_spans = torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans], dtype=torch.long)
+            meta.prefill_tables = torch.nn.utils.rnn.pad_sequence([p.block_table for p in spans], batch_first=True)
         return BatchInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                            sample_rows, sample_reqs)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # int64 [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor  # int64 [num_decodes]: tokens each decode attends to, itself included
     prefills: list[PrefillSpan]
-    use_kernel: bool = True  # the C++ decode kernel; False: the pure-PyTorch path
+    use_kernel: bool = True  # the C++ kernels; False: the pure-PyTorch path
+    prefill_spans: torch.Tensor | None = None  # int64 [S, 3]: (start, num_tokens, context_len) of each prefill
+    prefill_tables: torch.Tensor | None = None  # int64 [S, max_blocks]: their block tables, zero-padded
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -42,14 +45,21 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: in
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, block_size: int, scale: float) -> torch.Tensor:
-    """q: [T, H, d]; k, v: [T, KV, d] of this step (already in the cache). Returns [T, H, d]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, block_size: int, scale: float,
+                    fused: Any | None = None) -> torch.Tensor:
+    """q: [T, H, d]; k, v: [T, KV, d] of this step (already in the cache). Returns [T, H, d].
+    fused: the bf16 C++ ops (the model's fast path), whose prefill kernel then replaces SDPA."""
     nd = meta.num_decodes
     if nd == q.shape[0]:  # a pure decode step: the decode output is the whole output
         return decode_attention(q, k_cache, v_cache, meta, block_size, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta, block_size, scale)
+    if (fused is not None and meta.prefill_spans is not None and q.shape[-1] in (64, 128)
+            and fused.prefill_attention_available()):
+        # Every span in one call, reading the pool this step's keys were just written to.
+        fused.prefill_attention(q, k_cache, v_cache, meta.prefill_spans, meta.prefill_tables, block_size, scale, out)
+        return out
     for p in meta.prefills:
         rows = slice(p.start, p.start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]

@@ -13,7 +13,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp")]
+HEADERS = [CSRC / "vec_math.h"]
 
 
 @cache
@@ -22,7 +23,7 @@ def cpu_kernels():
     from torch.utils.cpp_extension import load
 
     # One folder per source version: checkouts sharing a virtualenv never rebuild over each other.
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
     build_dir = Path(sys.prefix) / "pagedserve_kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -102,7 +102,7 @@ class Attention(nn.Module):
         if ctx.kernels is None:
             q, k = rotate(q, ctx.cos, ctx.sin), rotate(k, ctx.cos, ctx.sin)
             write_kv(kv[0], kv[1], k, v, ctx.meta.slot_mapping)
-        o = paged_attention(q, k, v, kv[0], kv[1], ctx.meta, ctx.block_size, self.scale)
+        o = paged_attention(q, k, v, kv[0], kv[1], ctx.meta, ctx.block_size, self.scale, ctx.kernels)
         return self.o_proj(o.flatten(1), residual)
 
 

@@ -8,8 +8,14 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                     torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads);
 
+bool prefill_attention_available();
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
+                       torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool");
+  m.def("prefill_attention_available", &prefill_attention_available, "whether this CPU build has prefill_attention");
+  m.def("prefill_attention", &prefill_attention, "causal bf16 attention of all prefill spans over the paged KV pool");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] bf16 projection");
   m.def("rope_and_cache", &rope_and_cache, "rotate q and k in place and write k, v into the paged caches");

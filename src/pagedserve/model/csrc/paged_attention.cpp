@@ -87,24 +87,8 @@ static void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "vec_math.h"
 #define PAGEDSERVE_BF16_DECODE 1
-
-// exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) as 2^n * p(f), |f| <= 1/2, with a
-// degree-6 polynomial for 2^f (relative error ~2e-7). Scalar expf per score was a third of the kernel.
-static inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504089f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 static inline __m512 bf16_to_f32(const uint16_t* src) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
