@@ -107,16 +107,16 @@ static void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16
   __m512 acc[G][F];
   float m[G], l[G];
   for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
+    m[g] = kNegative;
     l[g] = 0.f;
     for (int f = 0; f < F; ++f) acc[g][f] = _mm512_setzero_ps();
   }
   alignas(64) float p[G][16];
+  // 16-token chunks never straddle a block when block_size is a multiple of 16; otherwise go token by token.
+  const bool whole = block_size % 16 == 0;
+  auto slot = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - t0);
-    // 16-token chunks never straddle a block when block_size is a multiple of 16; otherwise go token by token.
-    const bool whole = block_size % 16 == 0;
-    auto slot = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
     const int64_t base = whole ? slot(t0) : 0;
     if (whole && t0 + 16 < len) {  // blocks are scattered in the pool: fetch the next one while this one computes
       const int64_t next = slot(t0 + 16);
@@ -126,8 +126,6 @@ static void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16
           _mm_prefetch(reinterpret_cast<const char*>(v_cache + (next + j) * row_stride) + c, _MM_HINT_T0);
         }
     }
-    __m512 s[G];
-    for (int g = 0; g < G; ++g) s[g] = _mm512_set1_ps(-INFINITY);
     alignas(64) float sc[G][16];
     for (int64_t j = 0; j < n; ++j) {
       const uint16_t* k = k_cache + (whole ? base + j : slot(t0 + j)) * row_stride;
@@ -141,10 +139,11 @@ static void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16
     }
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
     for (int g = 0; g < G; ++g) {
-      s[g] = _mm512_mask_mul_ps(s[g], live, _mm512_loadu_ps(sc[g]), _mm512_set1_ps(scale));
-      const float mx = std::max(m[g], _mm512_reduce_max_ps(s[g]));
-      const float correction = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(s[g], _mm512_set1_ps(mx)));
+      const __m512 s =
+          _mm512_mask_mul_ps(_mm512_set1_ps(kNegative), live, _mm512_loadu_ps(sc[g]), _mm512_set1_ps(scale));
+      const float mx = std::max(m[g], _mm512_reduce_max_ps(s));
+      const float correction = std::exp(m[g] - mx);  // 0 on the first chunk (m = kNegative)
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx)));
       const __m512 pe = _mm512_maskz_mov_ps(live, e);
       l[g] = l[g] * correction + _mm512_reduce_add_ps(pe);
       m[g] = mx;

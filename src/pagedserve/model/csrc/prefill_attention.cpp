@@ -17,8 +17,6 @@
 namespace {
 
 constexpr int kTile = 16;  // queries per task and keys per chunk
-// Masked scores and the initial running max: finite, since -ffast-math assumes no infinities.
-constexpr float kNegative = -1e30f;
 
 struct Span {
   int64_t start, num_tokens, context_len;
@@ -102,7 +100,8 @@ inline void rows_against_chunk(Row<D>* rows, const Chunk<D>& ch, int64_t k0, int
     const __m256bh pb = _mm512_cvtneps_pbh(e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[r]), (__m256i)pb);
     const __m512 cv = _mm512_set1_ps(correction);
-    for (int f = 0; f < D / 16; ++f) _mm512_store_ps(row.acc + f * 16, _mm512_mul_ps(_mm512_load_ps(row.acc + f * 16), cv));
+    for (int f = 0; f < D / 16; ++f)
+      _mm512_store_ps(row.acc + f * 16, _mm512_mul_ps(_mm512_load_ps(row.acc + f * 16), cv));
   }
   for (int r = 0; r < N; ++r) {
     if (!live[r]) continue;
@@ -172,7 +171,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
                   v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "prefill_attention is for bfloat16");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "caches and out must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
+              "caches and out must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row [H, D] must be contiguous");
   TORCH_CHECK(spans.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt64,
               "spans and block_tables must be int64");

@@ -4,6 +4,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+// Masked scores and the initial running max of an online softmax: finite, since -ffast-math assumes no
+// infinities. exp(kNegative - x) underflows to 0, so a first chunk's correction factor is exactly 0.
+constexpr float kNegative = -1e30f;
+
 // exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) as 2^n * p(f), |f| <= 1/2, with a
 // degree-6 polynomial for 2^f (relative error ~2e-7). Scalar expf per score was a third of decode attention.
 static inline __m512 exp_nonpositive(__m512 x) {
