@@ -4,8 +4,8 @@ POST /_fault {"mode": M} sets what it does with every other request:
   ok    forward to the upstream unchanged
   529   answer 529 "overloaded" without forwarding (an overloaded provider)
   cut   forward, but end a streamed answer right after its first event (a provider dying mid-stream)
-  hang  never answer (a provider that times out)
-GET /_fault shows the mode, counts of requests seen and faulted, and the last request's headers.
+  hang  never answer (a provider that times out); counts the callers that give up as abandoned
+GET /_fault shows the mode, counts of requests seen, faulted and abandoned, and the last request's headers.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
 
 def build(upstream: str) -> Starlette:
-    state = {"mode": "ok", "requests": 0, "faulted": 0, "last_headers": {}}
+    state = {"mode": "ok", "requests": 0, "faulted": 0, "abandoned": 0, "last_headers": {}}
     client = httpx.AsyncClient(base_url=upstream, timeout=None, trust_env=False)
 
     async def fault(request: Request) -> Response:
@@ -45,6 +45,7 @@ def build(upstream: str) -> Starlette:
         if mode == "hang":  # hold the request until the caller gives up, so shutdown is not blocked
             while not await request.is_disconnected():
                 await asyncio.sleep(0.05)
+            state["abandoned"] += 1
             return Response(status_code=499)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         upstream_request = client.build_request(request.method, request.url.path, headers=headers,

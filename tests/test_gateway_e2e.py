@@ -109,6 +109,8 @@ def gateway_config(upstreams: dict, **extra) -> dict:
         "routes": {
             "hr-assistant": {"small": ["primary/small", "fallback/small"], "large": ["primary/large", "fallback/large"],
                              "sources": ["hr-policy"]},
+            "hr-fast": {"small": ["primary/small", "fallback/small"], "large": ["primary/large", "fallback/large"],
+                        "sources": ["hr-policy"], "speculate": True},
             "legal-assistant": {"small": ["primary/small"]},
         },
     }
@@ -148,12 +150,16 @@ def expected_cost(trace: dict, tier: str) -> float:
 def seed_gateway(upstreams, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("seed")
     receiver = OTLPReceiver()
-    process, url = gateway("seed-gw", gateway_config(upstreams, otlp_endpoint=receiver.url), tmp, ADMIN)
+    config = gateway_config(upstreams, otlp_endpoint=receiver.url)
+    probe = disagreement()  # hr-fast's threshold sits between its guess and its score
+    config["routes"]["hr-fast"]["hard_threshold"] = probe[1]
+    process, url = gateway("seed-gw", config, tmp, ADMIN)
     config_path = tmp / "seed-gw.yaml"
     with process:
         key = json.loads(cli("gateway", "keys", "create", "--config", str(config_path), "--user", "alice",
                              "--team", "hr", "--models", "hr-assistant", "--rpm", "600"))
-        yield {"url": url, "key": key, "config": config_path, "tmp": tmp, "process": process, "otlp": receiver}
+        yield {"url": url, "key": key, "config": config_path, "tmp": tmp, "process": process, "otlp": receiver,
+               "disagreement": probe}
 
 
 def test_seed_scenario_end_to_end(seed_gateway):
@@ -274,6 +280,93 @@ def test_streaming_passes_through_and_a_mid_stream_failure_is_an_error_not_a_spl
     wait_for(lambda: admin_get(url, "/admin/traces?limit=1")["data"][0]["status"] == 502, 10, "the failed trace")
     failed = admin_get(url, "/admin/traces?limit=1")["data"][0]
     assert [(a["provider"], a["status"]) for a in failed["attempts"]] == [("primary", "200")]
+
+
+def disagreement() -> tuple[str, float, str]:
+    """A request on which the lexical guess and the embedding classifier are far apart (the gateway trains
+    the same classifier from the same labelled set, deterministically), a hard_threshold between the two
+    scores, and the tier the classifier then picks."""
+    import torch
+
+    from pagedserve.embedding import Embedder
+    from pagedserve.gateway import classify
+    from pagedserve.gateway.semantic_cache import normalise
+
+    torch.set_num_threads(1)
+    embedder = Embedder.load().fast()
+    model = classify.train(embedder, classify.load_examples())
+    candidates = ["Summary of my leave balance?", "I need the HR email.", "My manager's manager?",
+                  "Thoughts on the new office?", "Overtime rules.", "Anything new about the bonus?"]
+    gaps = []
+    for text in candidates:
+        query = normalise(text)
+        score, guess = model.score(query, embedder.embed([query])[0]), model.guess(query)
+        gaps.append((abs(score - guess), text, score, guess))
+    gap, text, score, guess = max(gaps)
+    threshold = round((score + guess) / 2, 4)
+    assert gap >= 0.1 and 0.15 <= threshold <= 0.85, gaps
+    return text, threshold, "large" if score >= threshold else "small"
+
+
+def test_speculative_call_is_used_on_a_miss_and_aborted_on_a_hit_or_a_different_verdict(seed_gateway, upstreams):
+    url, proxy = seed_gateway["url"], upstreams["proxy"]
+    key = json.loads(cli("gateway", "keys", "create", "--config", str(seed_gateway["config"]), "--user", "carol",
+                         "--team", "ops", "--models", "hr-fast"))
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key["key"], max_retries=0)
+    question = "How many days of sick leave do I get in France?"
+    entries = admin_get(url, "/admin/status")["cache_entries"]
+
+    # A miss: the small tier's call was already in flight while the query was embedded and looked up.
+    answer, headers = ask(client, question, model="hr-fast")
+    miss = trace_of(url, headers["x-gateway-trace-id"])
+    assert (miss["cache"], miss["tier"], miss["speculative"]) == ("miss", "small", "used")
+    assert [(a["provider"], a["status"]) for a in miss["attempts"]] == [("primary", "200")]
+    assert miss["cost_usd"] == pytest.approx(expected_cost(miss, "small"), rel=1e-6)
+    wait_cache_entries(url, entries + 1)
+
+    # Hits on paraphrases, plain and streamed, while the primary hangs: the answer comes from the cache at once,
+    # and each speculative call that reached the provider is dropped (the provider sees its caller go away)
+    # without counting against the breaker.
+    set_fault(proxy, "hang")
+    try:
+        before = httpx.get(proxy + "/_fault").json()
+        again, headers = ask(client, "how many days of sick leave do i get in france", model="hr-fast")
+        assert again == answer and headers["x-gateway-cache"] == "hit"
+        chunks = list(client.chat.completions.create(
+            model="hr-fast", messages=[{"role": "user", "content": "How many days of sick leave do I get in France?!"}],
+            max_tokens=8, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+
+        def all_abandoned() -> bool:
+            now = httpx.get(proxy + "/_fault").json()
+            return now["requests"] - before["requests"] == now["abandoned"] - before["abandoned"] >= 1
+        wait_for(all_abandoned, 20, "the proxy to see the speculative calls abandoned")
+    finally:
+        set_fault(proxy, "ok")
+    hits = admin_get(url, "/admin/traces?limit=2")["data"]
+    assert [(t["cache"], t["speculative"], t["cost_usd"], t["attempts"]) for t in hits] == \
+        [("hit", "cancelled (cache hit)", 0, [])] * 2
+    assert admin_get(url, "/admin/status")["providers"]["primary"]["state"] == "closed"
+
+    # A hard question: the lexical guess already says large, so the early call was the right one.
+    _, headers = ask(client, "Compare the parental leave rules of Germany and France and design a policy that "
+                             "treats both offices fairly.", model="hr-fast")
+    hard = trace_of(url, headers["x-gateway-trace-id"])
+    assert (hard["tier"], hard["speculative"]) == ("large", "used")
+    assert hard["cost_usd"] == pytest.approx(expected_cost(hard, "large"), rel=1e-6)
+    # Where the guess and the classifier disagree, the early call is cancelled and only the chosen tier is charged.
+    text, _, tier = seed_gateway["disagreement"]
+    _, headers = ask(client, text, model="hr-fast")
+    wrong = trace_of(url, headers["x-gateway-trace-id"])
+    assert (wrong["tier"], wrong["speculative"]) == (tier, f"cancelled ({tier} tier)")
+    assert wrong["cost_usd"] == pytest.approx(expected_cost(wrong, tier), rel=1e-6)
+
+    # Streamed miss: the early stream is the one relayed.
+    chunks = list(client.chat.completions.create(model="hr-fast", messages=[{"role": "user", "content": "Name a fruit."}],
+                                                 max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    wait_for(lambda: admin_get(url, "/admin/traces?limit=1")["data"][0]["stream"], 10, "the stream's trace")
+    assert admin_get(url, "/admin/traces?limit=1")["data"][0]["speculative"] == "used"
 
 
 def test_bad_input_gets_4xx_in_openai_error_shape(seed_gateway):

@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -24,7 +25,14 @@ from pagedserve.gateway.errors import APIError, install_error_handlers
 from pagedserve.gateway.gateway_config import GatewayConfig, RouteConfig, Target
 from pagedserve.gateway.limits import RateLimiter
 from pagedserve.gateway.protocol import GatewayRequest, parse_request
-from pagedserve.gateway.providers import AllProvidersFailed, ProviderPool, StreamFailed, UpstreamRejected
+from pagedserve.gateway.providers import (
+    AllProvidersFailed,
+    CallResult,
+    ProviderPool,
+    StreamFailed,
+    StreamResult,
+    UpstreamRejected,
+)
 from pagedserve.gateway.semantic_cache import Lookup, SemanticCache, normalise, scope_key
 from pagedserve.gateway.store import Store, open_store
 from pagedserve.gateway.streaming import DONE, StreamAssembler, replay, replay_chunks, sse
@@ -55,6 +63,33 @@ class Call:
     versions: dict[str, str] = field(default_factory=dict)
     lookup: Lookup | None = None
     tier: str = "small"
+
+
+@dataclass(slots=True)
+class Speculation:
+    """A provider call started before the cache and the classifier have spoken."""
+    tier: str
+    task: asyncio.Task
+    sent: asyncio.Event
+
+    async def on_the_wire(self) -> None:
+        """Returns once the request has been written to a provider (or the call ended without that). Only then
+        may the query embedding start: its thread would otherwise hold the GIL while the request is built."""
+        waiter = asyncio.ensure_future(self.sent.wait())
+        try:
+            await asyncio.wait({waiter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+
+    async def cancel(self) -> None:
+        """Stops the call (an open upstream stream is closed, which aborts it at a pagedserve provider)."""
+        self.task.cancel()
+        try:
+            result = await self.task
+        except (asyncio.CancelledError, UpstreamRejected, AllProvidersFailed):  # nobody wants its answer
+            return
+        if isinstance(result, StreamResult):
+            await result.events.aclose()
 
 
 class Gateway:
@@ -163,17 +198,22 @@ class Gateway:
             self._vectors.move_to_end(text)
         return cached
 
-    async def look_up(self, call: Call) -> None:
+    def cacheable(self, call: Call) -> bool:
+        """Whether the cache is consulted for this request; if not, says why in the trace."""
         req, trace = call.request, call.trace
         if self.cache is None:
             trace.cache = "off"
-            return
+            return False
         call.query, context = req.query()
         if not req.cache or call.query is None or (self.config.cache.deterministic_only and not req.deterministic):
             trace.cache = "bypass"
-            return
+            return False
         tenant = {"team": call.key.team, "user": call.key.user, "key": call.key.key_id}[self.config.cache.scope]
         call.scope = scope_key(tenant, call.route.name, call.body, context)
+        return True
+
+    async def look_up(self, call: Call) -> None:
+        req, trace = call.request, call.trace
         call.versions = await self.store.source_versions(sorted(set(call.route.sources) | set(req.sources)))
         trace.sources = call.versions
         call.vector = await self.vector(call.query)
@@ -183,11 +223,14 @@ class Gateway:
         trace.cache, trace.cache_similarity = call.lookup.result, call.lookup.similarity
         trace.stale_reason = call.lookup.stale_reason
 
+    def classifies(self, call: Call) -> bool:
+        return call.request.route is None and bool(call.route.large) and self.classifier is not None
+
     async def choose_tier(self, call: Call) -> None:
         req, trace = call.request, call.trace
         if req.route is not None:
             call.tier, trace.pinned = req.route, True
-        elif call.route.large and self.classifier is not None:
+        elif self.classifies(call):
             text = call.query if call.query is not None else req.query()[0]
             if text:
                 score = self.classifier.score(normalise(text), await self.vector(text))
@@ -195,49 +238,87 @@ class Gateway:
                 call.tier = "large" if score >= call.route.hard_threshold else "small"
         trace.tier = call.tier
 
+    def speculate(self, call: Call, cacheable: bool) -> Speculation | None:
+        """Starts the likely tier's call now, when the cache lookup or the classifier would otherwise delay it:
+        the pinned tier, else the classifier's lexical guess."""
+        if not call.route.speculate or not (cacheable or self.classifies(call)):
+            return None
+        tier, sent = call.request.route or "small", asyncio.Event()
+        text = call.query if call.query is not None else call.request.query()[0]
+        if call.request.route is None and text and self.classifies(call):
+            tier = "large" if self.classifier.guess(normalise(text)) >= call.route.hard_threshold else "small"
+        task = asyncio.get_running_loop().create_task(self.upstream(call, call.route.tier(tier), sent))
+        return Speculation(tier, task, sent)
+
+    def upstream(self, call: Call, targets: list[Target],
+                 sent: asyncio.Event | None = None) -> Awaitable[CallResult | StreamResult]:
+        if call.request.stream:
+            options = {**(call.body.get("stream_options") or {}), "include_usage": True}
+            return self.providers.stream(targets, PATHS[call.kind], {**call.body, "stream_options": options},
+                                         call.forward_headers, sent)
+        return self.providers.call(targets, PATHS[call.kind], call.body, call.forward_headers, sent)
+
+    def cancel(self, speculation: Speculation, why: str, trace: Trace) -> None:
+        trace.speculative = f"cancelled ({why})"
+        self._spawn(speculation.cancel())
+
+    def _spawn(self, work: Awaitable) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # ---- the call ----
 
     async def handle(self, request: Request, kind: str) -> Response:
         trace = Trace(endpoint=kind)
-        call = None
+        call = speculation = None
         try:
             call = await self.admit(request, kind, trace)
-            await self.look_up(call)
-            if call.lookup is not None and call.lookup.result == "hit":
-                return await self.answer_from_cache(call)
+            cacheable = self.cacheable(call)
+            speculation = self.speculate(call, cacheable)
+            if speculation is not None:
+                await speculation.on_the_wire()
+            if cacheable:
+                await self.look_up(call)
+                if call.lookup.result == "hit":
+                    if speculation is not None:
+                        self.cancel(speculation, "cache hit", trace)
+                        speculation = None
+                    return await self.answer_from_cache(call)
             await self.choose_tier(call)
+            pending = None
+            if speculation is not None:
+                if speculation.tier == call.tier:
+                    pending, trace.speculative = speculation.task, "used"
+                else:
+                    self.cancel(speculation, f"{call.tier} tier", trace)
+                speculation = None
             targets = call.route.tier(call.tier)
-            if call.request.stream:
-                return await self.relay_stream(call, targets)
-            return await self.complete(call, targets)
+            try:
+                result = await (pending or self.upstream(call, targets))
+            except (UpstreamRejected, AllProvidersFailed) as e:
+                raise self.provider_error(call, e) from None
+            call.trace.attempts = [a.to_dict() for a in result.attempts]
+            if isinstance(result, StreamResult):
+                return StreamingResponse(self.relay(call, result.target, result.events),
+                                         media_type="text/event-stream", headers=self.response_headers(call, result.target))
+            return await self.complete(call, result)
         except Exception as e:
             if call is not None:
                 await self.settle(call, None, {})
             trace.finish(e.status if isinstance(e, APIError) else 500, str(e))
             self.traces.write(trace)
             raise
+        finally:
+            if speculation is not None:  # the lookup or the classifier failed
+                self.cancel(speculation, "error", trace)
 
-    async def complete(self, call: Call, targets: list[Target]) -> Response:
-        try:
-            result = await self.providers.call(targets, PATHS[call.kind], call.body, call.forward_headers)
-        except (UpstreamRejected, AllProvidersFailed) as e:
-            raise self.provider_error(call, e) from None
-        call.trace.attempts = [a.to_dict() for a in result.attempts]
+    async def complete(self, call: Call, result: CallResult) -> Response:
         await self.settle(call, result.target, result.body.get("usage") or {})
         call.trace.finish(200)
         self.traces.write(call.trace)
         task = BackgroundTask(self.remember, call, result.body)
         return JSONResponse(result.body, headers=self.response_headers(call, result.target), background=task)
-
-    async def relay_stream(self, call: Call, targets: list[Target]) -> Response:
-        body = {**call.body, "stream_options": {**(call.body.get("stream_options") or {}), "include_usage": True}}
-        try:
-            result = await self.providers.stream(targets, PATHS[call.kind], body, call.forward_headers)
-        except (UpstreamRejected, AllProvidersFailed) as e:
-            raise self.provider_error(call, e) from None
-        call.trace.attempts = [a.to_dict() for a in result.attempts]
-        return StreamingResponse(self.relay(call, result.target, result.events), media_type="text/event-stream",
-                                 headers=self.response_headers(call, result.target))
 
     async def relay(self, call: Call, target: Target, events):
         """Passes the provider's events through; a failure after the first one ends the stream with an error."""
@@ -267,9 +348,7 @@ class Gateway:
             log.warning("%s", error)
             yield sse(APIError(502, error, code="upstream_stream_error").body())
         finally:
-            task = asyncio.get_running_loop().create_task(self.finish_stream(call, target, assembled, status, error))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self.finish_stream(call, target, assembled, status, error))
 
     async def finish_stream(self, call: Call, target: Target, assembled: StreamAssembler, status: int,
                             error: str | None) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,6 +34,13 @@ SERVER_ARGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--max-model
                "--embedding-model", "none", "--disable-access-log"]
 EMBED_NOTES = ["the gateway's: paid once per request (cache miss), shared with the classifier",
                "peer: the same encoder in fp32"]
+SIMPLE = "What is {i} {op} {j}?"  # the classifier sends it to the small tier
+HARD = "Why is {i} {op} {j} what it is? Explain your reasoning step by step."  # ... and this to the large one
+# (name, cache + classifier on, speculative call, question template)
+CONFIGURATIONS = [("full pipeline, speculative, simple question", True, True, SIMPLE),
+                  ("full pipeline, speculative, hard question", True, True, HARD),
+                  ("full pipeline, serial, simple question", True, False, SIMPLE),
+                  ("plumbing only (cache off, one tier)", False, False, SIMPLE)]
 VARIANTS = [lambda q: q, lambda q: q.lower().rstrip("?"), lambda q: "Quick question: " + q,
             lambda q: "Hi! " + q, lambda q: q.rstrip("?") + ", please?", lambda q: q + " Thanks!"]
 
@@ -48,26 +56,37 @@ def percentile(values: list[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def process(command: list[str], url: str, log: Path, timeout: float = 300):
+def process(command: list[str], url: str, log: Path, cpus: set[int] | None = None, timeout: float = 300):
     import httpx
 
+    if cpus and shutil.which("taskset"):
+        command = ["taskset", "-c", ",".join(map(str, sorted(cpus))), *command]
     with open(log, "ab") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{command[3]} exited:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"{' '.join(command)} exited:\n{log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{command[3]} did not start")
+                raise TimeoutError(f"{' '.join(command)} did not start")
             time.sleep(0.2)
         yield proc
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def split_cpus(engine_cpus: int) -> tuple[set[int], set[int]]:
+    """The engine on its own cores and the gateway on the rest, as on separate hosts: an engine's OpenMP
+    threads sharing a core with the gateway's embedding stall at every barrier."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if engine_cpus <= 0 or engine_cpus >= len(cpus):
+        return set(cpus), set(cpus)
+    return set(cpus[:engine_cpus]), set(cpus[engine_cpus:])
 
 
 def overhead(args: argparse.Namespace, tmp: Path) -> list[dict]:
@@ -83,29 +102,31 @@ def overhead(args: argparse.Namespace, tmp: Path) -> list[dict]:
     server_port = free_port()
     server = f"http://127.0.0.1:{server_port}"
     rows = []
-    serve = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(server_port), *SERVER_ARGS]
-    with process(serve, server, tmp / "server.log"):
+    engine_cpus, gateway_cpus = split_cpus(args.engine_cpus)
+    serve = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(server_port), *SERVER_ARGS,
+             "--num-threads", str(len(engine_cpus))]
+    with process(serve, server, tmp / "server.log", engine_cpus):
         model = httpx.get(server + "/v1/models").json()["data"][0]["id"]
-        for name, full in (("full pipeline (cache + classifier)", True), ("plumbing only (cache off, one tier)", False)):
-            port, data = free_port(), tmp / f"gw-{int(full)}"
+        for i, (name, full, speculate, template) in enumerate(CONFIGURATIONS):
+            port, data = free_port(), tmp / f"gw-{i}"
             token, key = mint_key("bench")
             asyncio.run(SQLiteStore(data / "gateway.db").put_key(key))
             models = {"small": {"name": model, "input": 0.1, "output": 0.4}, "large": {"name": model, "input": 1.0}}
-            route = {"small": ["engine/small"], **({"large": ["engine/large"]} if full else {})}
+            route = {"small": ["engine/small"], **({"large": ["engine/large"]} if full else {}), "speculate": speculate}
             config = {"data_dir": str(data), "admin_key": "bench", "cache": {"enabled": full},
                       "budgets": {"user_daily_usd": 1000.0},
                       "providers": {"engine": {"base_url": server + "/v1", "models": models}},
                       "routes": {"bench": route}}
-            (tmp / f"gw-{int(full)}.yaml").write_text(yaml.safe_dump(config))
-            command = [sys.executable, "-m", "pagedserve.cli", "gateway", "--config", str(tmp / f"gw-{int(full)}.yaml"),
+            (tmp / f"gw-{i}.yaml").write_text(yaml.safe_dump(config))
+            command = [sys.executable, "-m", "pagedserve.cli", "gateway", "--config", str(tmp / f"gw-{i}.yaml"),
                        "--port", str(port)]
             gateway = f"http://127.0.0.1:{port}"
-            with process(command, gateway, tmp / f"gw-{int(full)}.log"):
-                rows.append({"name": name, **paired_calls(server, gateway, token, model, args.requests)})
+            with process(command, gateway, tmp / f"gw-{i}.log", gateway_cpus):
+                rows.append({"name": name, **paired_calls(server, gateway, token, model, template, args.requests)})
     return rows
 
 
-def paired_calls(server: str, gateway: str, token: str, model: str, n: int) -> dict:
+def paired_calls(server: str, gateway: str, token: str, model: str, template: str, n: int) -> dict:
     import httpx
 
     direct, through = [], []
@@ -121,8 +142,8 @@ def paired_calls(server: str, gateway: str, token: str, model: str, n: int) -> d
             return elapsed
         for i in range(n + 5):  # the first 5 pairs warm up connections and caches
             # Different prompts of the same shape (no prefix-cache help for either), alternating order.
-            to_engine = (server, model, f"Question {i}: what is {i} plus {i + 7}?", {})
-            to_gateway = (gateway, "bench", f"Question {i}: what is {i} minus {i + 7}?", headers)
+            to_engine = (server, model, template.format(i=i, j=i + 7, op="plus"), {})
+            to_gateway = (gateway, "bench", template.format(i=i, j=i + 7, op="minus"), headers)
             if i % 2 == 0:
                 d, t = timed(*to_engine), timed(*to_gateway)
             else:
@@ -132,8 +153,12 @@ def paired_calls(server: str, gateway: str, token: str, model: str, n: int) -> d
                 through.append(t)
         traces = c.get(gateway + "/admin/traces", params={"limit": n}, headers={"authorization": "Bearer bench"})
     diffs = [t - d for d, t in zip(direct, through)]  # per pair: the engine's own variance mostly cancels
-    inside = [t["latency_ms"] - sum(a["latency_ms"] for a in t["attempts"]) for t in traces.json()["data"]]
-    return {"n": n, "direct_p50": percentile(direct, 50), "gateway_p50": percentile(through, 50),
+    rows = traces.json()["data"]
+    inside = [t["latency_ms"] - sum(a["latency_ms"] for a in t["attempts"]) for t in rows]
+    tiers = {tier: sum(t["tier"] == tier for t in rows) / len(rows) for tier in ("small", "large")}
+    speculated = sum((t["speculative"] or "").startswith("used") for t in rows) / len(rows)
+    return {"n": n, "route": f"{tiers['small']:.0%} small, {tiers['large']:.0%} large; speculative call used "
+                             f"{speculated:.0%}", "direct_p50": percentile(direct, 50), "gateway_p50": percentile(through, 50),
             "added_p50": percentile(diffs, 50), "added_p99": percentile(diffs, 99),
             "inside_p50": percentile(inside, 50), "inside_p99": percentile(inside, 99)}
 
@@ -237,11 +262,11 @@ def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) 
            (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other work "
            f"(load average {load[0]:.1f} before, {load[1]:.1f} after); CPU only. Date: {datetime.now():%Y-%m-%d %H:%M}."),
            "", "### Latency added on a cache miss (SmolLM2-135M engine, max_tokens=1; added = paired difference)", "",
-           ("| gateway | n | direct p50 ms | through gateway p50 ms | added p50 ms | added p99 ms | "
-           "in-gateway p50 ms | in-gateway p99 ms |"), "|---|---|---|---|---|---|---|---|"]
+           ("| gateway | n | routed | direct p50 ms | through gateway p50 ms | added p50 ms | added p99 ms | "
+           "in-gateway p50 ms | in-gateway p99 ms |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in lines_overhead:
-        out.append(f"| {r['name']} | {r['n']} | {r['direct_p50']:.1f} | {r['gateway_p50']:.1f} | {r['added_p50']:.1f} | "
-                   f"{r['added_p99']:.1f} | {r['inside_p50']:.2f} | {r['inside_p99']:.2f} |")
+        out.append(f"| {r['name']} | {r['n']} | {r['route']} | {r['direct_p50']:.1f} | {r['gateway_p50']:.1f} | "
+                   f"{r['added_p50']:.1f} | {r['added_p99']:.1f} | {r['inside_p50']:.2f} | {r['inside_p99']:.2f} |")
     out += ["", ("\"In-gateway\" is each trace's total latency minus its provider attempts: the gateway's own work "
             "(auth, limits, budget, embedding, cache lookup, classifier, trace) without the HTTP hop. The paired "
             "end-to-end difference also holds the engine's call-to-call variation, which on shared, loaded cores "
@@ -276,6 +301,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", type=int, default=100, help="distinct questions in the stream")
     p.add_argument("--bump-every", type=int, default=500, help="source version bump interval (requests)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.95, 0.9], help="similarity thresholds")
+    p.add_argument("--engine-cpus", type=int, default=max((os.cpu_count() or 2) // 2, 1),
+                   help="cores the engine is pinned to (and its thread count); the gateway gets the rest. "
+                        "0: no pinning, both share every core")
     p.add_argument("--skip-overhead", action="store_true", help="skip the part that starts servers")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md is")
 
@@ -305,7 +333,7 @@ def run_args(args: argparse.Namespace) -> int:
         rows = [] if args.skip_overhead else overhead(args, tmp)
         for r in rows:
             print(f"{r['name']}: added p50 {r['added_p50']:.1f} ms, p99 {r['added_p99']:.1f} ms; in-gateway p50 "
-                  f"{r['inside_p50']:.2f} ms", flush=True)
+                  f"{r['inside_p50']:.2f} ms ({r['route']})", flush=True)
         scale = lookup_at_scale(args, tmp, embedder, [t for t, _ in examples])
         scale["embed"] = embed_latency({"fp16-weight kernels": embedder, "fp32": exact}, [t for t, _ in examples])
         print(f"lookup at {scale['entries']}: p50 {scale['lookup_p50']:.3f} ms, p99 {scale['lookup_p99']:.3f} ms "

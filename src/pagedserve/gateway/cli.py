@@ -212,7 +212,9 @@ def _train(args: argparse.Namespace) -> int:
 
     embedder = Embedder.load()
     examples = classify.load_examples()
-    print(f"5-fold accuracy on {len(examples)} labelled requests: {classify.cross_validate(embedder, examples):.3f}")
+    accuracy, guessed = classify.cross_validate(embedder, examples)
+    print(f"5-fold accuracy on {len(examples)} labelled requests: {accuracy:.3f} "
+          f"(the lexical guess the speculative call goes to: {guessed:.3f})")
     model = classify.train(embedder, examples)
     path = classify.weights_path(classify.default_cache_dir(), embedder.model_name)
     model.save(path)

@@ -19,7 +19,14 @@ routes:
     small: [primary/small, fallback/small]
     large: [primary/large, fallback/large]
     sources: [hr-policy]                 # knowledge sources whose versions cached answers depend on
+    speculate: true                      # call the likely tier while the cache and classifier run (see below)
 ```
+
+`speculate` starts the provider call on the tier the request will most likely use (its pinned tier, else
+small) as soon as it is admitted, while the query is embedded for the cache lookup and the classifier. A
+miss routed to that tier then gets the call already in flight (the embedding adds no latency); a cache hit
+or a large-tier verdict cancels it, which aborts it at a pagedserve provider but may still be billed by an
+external API: opt in where a cancelled call is cheap.
 """
 from __future__ import annotations
 
@@ -73,6 +80,7 @@ class RouteConfig:
     cache_threshold: float | None = None  # None: the global one
     cache_ttl_s: float | None = None
     hard_threshold: float = 0.5  # classifier probability of "hard" at or above which the large tier is used
+    speculate: bool = False  # start the likely tier's call while the cache lookup and classifier run
 
     def tier(self, name: str) -> list[Target]:
         return self.large if name == "large" and self.large else self.small

@@ -127,27 +127,38 @@ class ProviderPool:
     def breaker_states(self) -> dict[str, dict]:
         return {n: {"state": b.state, "failures": b.failures} for n, b in self.breakers.items()}
 
-    def _request(self, target: Target, path: str, body: dict, headers: dict[str, str]) -> httpx.Request:
+    def _request(self, target: Target, path: str, body: dict, headers: dict[str, str],
+                 sent: asyncio.Event | None) -> httpx.Request:
         provider = self.config.providers[target.provider]
         body = {**body, "model": provider.models[target.model].name}
         headers = dict(headers)
         if provider.api_key:
             headers["authorization"] = f"Bearer {provider.api_key}"
-        return self.clients[target.provider].build_request("POST", path, json=body, headers=headers)
+        extensions = {}
+        if sent is not None:
+            async def trace(event: str, info: dict) -> None:  # httpcore's per-request trace hook
+                if event.endswith("send_request_body.complete"):
+                    sent.set()
+            extensions["trace"] = trace
+        return self.clients[target.provider].build_request("POST", path, json=body, headers=headers,
+                                                           extensions=extensions)
 
-    async def call(self, targets: list[Target], path: str, body: dict, headers: dict[str, str]) -> CallResult:
+    async def call(self, targets: list[Target], path: str, body: dict, headers: dict[str, str],
+                   sent: asyncio.Event | None = None) -> CallResult:
+        """`sent`, if given, is set once a request has been written to a provider."""
         async def once(target: Target, timeout: float) -> dict:
             async with asyncio.timeout(timeout):
-                response = await self.clients[target.provider].send(self._request(target, path, body, headers))
+                response = await self.clients[target.provider].send(self._request(target, path, body, headers, sent))
                 return _json_or_raise(response, await response.aread())
         return await self._with_fallback(targets, once, CallResult)
 
-    async def stream(self, targets: list[Target], path: str, body: dict, headers: dict[str, str]) -> StreamResult:
+    async def stream(self, targets: list[Target], path: str, body: dict, headers: dict[str, str],
+                     sent: asyncio.Event | None = None) -> StreamResult:
         async def once(target: Target, timeout: float) -> AsyncIterator[str]:
             deadline = time.monotonic() + timeout
             client = self.clients[target.provider]
-            response = await asyncio.wait_for(client.send(self._request(target, path, body, headers), stream=True),
-                                              timeout)
+            request = self._request(target, path, body, headers, sent)
+            response = await asyncio.wait_for(client.send(request, stream=True), timeout)
             if response.status_code != 200:
                 try:
                     raw = await asyncio.wait_for(response.aread(), max(deadline - time.monotonic(), 0.001))
@@ -232,6 +243,8 @@ class ProviderPool:
         except (TimeoutError, httpx.HTTPError, _Retryable) as e:
             self.breakers[target.provider].record(False)
             raise StreamFailed(f"{type(e).__name__}: {e}") from e
+        finally:  # closing this closes the upstream response now, not when the garbage collector gets to it
+            await events.aclose()
 
 
 def _ms(start: float) -> float:
@@ -276,6 +289,9 @@ async def _sse_events(response: httpx.Response, deadline: float) -> AsyncIterato
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
-    async for event in rest:
-        yield event
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()

@@ -37,6 +37,7 @@ class Trace:
     budget_spent_usd: float | None = None  # the user's spend today before this request
     budget_limit_usd: float | None = None
     attempts: list[dict] = field(default_factory=list)
+    speculative: str | None = None  # used | cancelled (cache hit) | cancelled (large tier); None: not started
     provider: str | None = None
     upstream_model: str | None = None
     prompt_tokens: int = 0
