@@ -107,7 +107,6 @@ def _print(data) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
 
     import uvicorn
 
@@ -117,7 +116,6 @@ def _serve(args: argparse.Namespace) -> int:
     config.host = args.host or config.host
     config.port = args.port if args.port is not None else config.port
     config.otlp_endpoint = args.otlp_endpoint or config.otlp_endpoint
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise; traces have it
     if config.admin_key is None:
         print("note: no admin_key configured; admin endpoints are disabled (the CLI still works)", file=sys.stderr)
     app = create_app(config)

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
-import httpx
+import aiohttp
 
 from pagedserve.gateway.gateway_config import BreakerConfig, GatewayConfig, RetryConfig, Target
 
@@ -111,61 +111,61 @@ class CallResult:
 
 
 class ProviderPool:
+    """One aiohttp session per provider (keep-alive connections; about a quarter of httpx's CPU per call)."""
+
     def __init__(self, config: GatewayConfig, rng: random.Random | None = None):
         self.config = config
         self.retry: RetryConfig = config.retry
         self.rng = rng or random.Random()
-        self.clients = {name: httpx.AsyncClient(base_url=p.base_url, timeout=None, trust_env=False,
-                                                limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
-                        for name, p in config.providers.items()}
+        self.sessions: dict[str, aiohttp.ClientSession] = {}  # made on first use: a session needs the running loop
         self.breakers = {name: CircuitBreaker(config.breaker) for name in config.providers}
 
     async def close(self) -> None:
-        for client in self.clients.values():
-            await client.aclose()
+        for session in self.sessions.values():
+            await session.close()
 
     def breaker_states(self) -> dict[str, dict]:
         return {n: {"state": b.state, "failures": b.failures} for n, b in self.breakers.items()}
 
-    def _request(self, target: Target, path: str, body: dict, headers: dict[str, str],
-                 sent: asyncio.Event | None) -> httpx.Request:
+    def _session(self, provider: str) -> aiohttp.ClientSession:
+        session = self.sessions.get(provider)
+        if session is None:
+            trace = aiohttp.TraceConfig()
+            trace.on_request_chunk_sent.append(_body_sent)
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), trace_configs=[trace],
+                                            timeout=aiohttp.ClientTimeout(total=None), read_bufsize=1 << 20)
+            self.sessions[provider] = session
+        return session
+
+    def _post(self, target: Target, path: str, body: dict, headers: dict[str, str], sent: asyncio.Event | None):
         provider = self.config.providers[target.provider]
-        body = {**body, "model": provider.models[target.model].name}
-        headers = dict(headers)
+        headers = {**headers, "content-type": "application/json"}
         if provider.api_key:
             headers["authorization"] = f"Bearer {provider.api_key}"
-        extensions = {}
-        if sent is not None:
-            async def trace(event: str, info: dict) -> None:  # httpcore's per-request trace hook
-                if event.endswith("send_request_body.complete"):
-                    sent.set()
-            extensions["trace"] = trace
-        return self.clients[target.provider].build_request("POST", path, json=body, headers=headers,
-                                                           extensions=extensions)
+        data = json.dumps({**body, "model": provider.models[target.model].name}).encode()
+        return self._session(target.provider).post(provider.base_url + path, data=data, headers=headers,
+                                                   trace_request_ctx={"sent": sent})
 
     async def call(self, targets: list[Target], path: str, body: dict, headers: dict[str, str],
                    sent: asyncio.Event | None = None) -> CallResult:
         """`sent`, if given, is set once a request has been written to a provider."""
         async def once(target: Target, timeout: float) -> dict:
-            async with asyncio.timeout(timeout):
-                response = await self.clients[target.provider].send(self._request(target, path, body, headers, sent))
-                return _json_or_raise(response, await response.aread())
+            async with asyncio.timeout(timeout), self._post(target, path, body, headers, sent) as response:
+                return _json_or_raise(response.status, await response.read())
         return await self._with_fallback(targets, once, CallResult)
 
     async def stream(self, targets: list[Target], path: str, body: dict, headers: dict[str, str],
                      sent: asyncio.Event | None = None) -> StreamResult:
         async def once(target: Target, timeout: float) -> AsyncIterator[str]:
             deadline = time.monotonic() + timeout
-            client = self.clients[target.provider]
-            request = self._request(target, path, body, headers, sent)
-            response = await asyncio.wait_for(client.send(request, stream=True), timeout)
-            if response.status_code != 200:
+            response = await asyncio.wait_for(self._post(target, path, body, headers, sent), timeout)
+            if response.status != 200:
                 try:
-                    raw = await asyncio.wait_for(response.aread(), max(deadline - time.monotonic(), 0.001))
+                    raw = await asyncio.wait_for(response.read(), max(deadline - time.monotonic(), 0.001))
                 finally:
-                    await response.aclose()
-                _json_or_raise(response, raw)
-                raise _Retryable("bad_response", f"status {response.status_code} instead of an event stream")
+                    response.close()
+                _json_or_raise(response.status, raw)
+                raise _Retryable("bad_response", f"status {response.status} instead of an event stream")
             events = _sse_events(response, deadline)
             try:
                 first = await anext(events)
@@ -221,9 +221,9 @@ class ProviderPool:
             breaker.record(True)
             e.attempts = [record(str(e.status))]
             raise
-        except (TimeoutError, httpx.TimeoutException):
+        except TimeoutError:
             failure = record("timeout", f"no complete answer within {timeout:.1f}s")
-        except httpx.TransportError as e:
+        except aiohttp.ClientError as e:
             failure = record("connect_error", repr(e))
         except BaseException:
             breaker.release()
@@ -240,7 +240,7 @@ class ProviderPool:
         try:
             async for event in events:
                 yield event
-        except (TimeoutError, httpx.HTTPError, _Retryable) as e:
+        except (TimeoutError, aiohttp.ClientError, _Retryable) as e:
             self.breakers[target.provider].record(False)
             raise StreamFailed(f"{type(e).__name__}: {e}") from e
         finally:  # closing this closes the upstream response now, not when the garbage collector gets to it
@@ -251,8 +251,13 @@ def _ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 2)
 
 
-def _json_or_raise(response: httpx.Response, raw: bytes) -> dict:
-    status = response.status_code
+async def _body_sent(session: aiohttp.ClientSession, context, params) -> None:
+    sent = (context.trace_request_ctx or {}).get("sent")
+    if sent is not None:
+        sent.set()
+
+
+def _json_or_raise(status: int, raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except ValueError:
@@ -266,26 +271,29 @@ def _json_or_raise(response: httpx.Response, raw: bytes) -> dict:
     return body
 
 
-async def _sse_events(response: httpx.Response, deadline: float) -> AsyncIterator[str]:
+async def _sse_events(response: aiohttp.ClientResponse, deadline: float) -> AsyncIterator[str]:
     """The `data:` payloads of an SSE response until [DONE], each read within the request's deadline."""
-    lines = response.aiter_lines()
+    done = False
     try:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("the stream did not finish within the provider's timeout")
-            try:
-                line = await asyncio.wait_for(anext(lines), remaining)
-            except StopAsyncIteration:
-                raise _Retryable("stream_error", "the stream ended without [DONE]") from None
+            line = (await asyncio.wait_for(response.content.readline(), remaining)).decode()
+            if not line:
+                raise _Retryable("stream_error", "the stream ended without [DONE]")
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
+                done = True
                 return
             yield data
     finally:
-        await response.aclose()
+        if done:
+            response.release()  # the connection goes back to the pool
+        else:
+            response.close()  # mid-stream: drops the connection, which aborts the request at a pagedserve provider
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
