@@ -267,11 +267,17 @@ def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) 
     for r in lines_overhead:
         out.append(f"| {r['name']} | {r['n']} | {r['route']} | {r['direct_p50']:.1f} | {r['gateway_p50']:.1f} | "
                    f"{r['added_p50']:.1f} | {r['added_p99']:.1f} | {r['inside_p50']:.2f} | {r['inside_p99']:.2f} |")
-    out += ["", ("\"In-gateway\" is each trace's total latency minus its provider attempts: the gateway's own work "
-            "(auth, limits, budget, embedding, cache lookup, classifier, trace) without the HTTP hop. The paired "
-            "end-to-end difference also holds the engine's call-to-call variation, which on shared, loaded cores "
-            "is far larger than the gateway's cost; read the in-gateway columns for that. On the full pipeline "
-            "almost all of it is the one query embedding (table below)."), "",
+    pinning = (f"The engine runs on {args.engine_cpus} core(s) (`--engine-cpus {args.engine_cpus}`, as many threads) "
+               "and the gateway on the rest, as on separate hosts" if args.engine_cpus > 0 else
+               "Engine and gateway share every core (`--engine-cpus 0`)")
+    out += ["", (f"{pinning}: an engine's OpenMP threads sharing a core with the gateway's query embedding stall at "
+            "every barrier (tens of ms). \"In-gateway\" is each trace's total latency minus its provider attempts: "
+            "the gateway's own work (auth, limits, budget, embedding, cache lookup, classifier, trace) outside the "
+            "provider call. Serially, almost all of it is the one query embedding (table below); with "
+            "`speculate: true` the call starts on the lexical guess's tier before the embedding, which then runs "
+            "while the provider works (\"speculative call used\": the final classifier agreed). The paired "
+            "end-to-end difference also holds the engine's call-to-call variation; run to run its p50 moves by "
+            "about 1 ms."), "",
             f"### Semantic-cache lookup at {scale['entries']:,} entries", "",
             "| index | lookup p50 ms | lookup p99 ms | notes |", "|---|---|---|---|",
             (f"| faiss HNSW (M=32, efSearch=128) + SQLite fetch (ours) | {scale['lookup_p50']:.3f} | "
