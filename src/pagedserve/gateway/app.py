@@ -72,12 +72,13 @@ class Speculation:
     task: asyncio.Task
     sent: asyncio.Event
 
-    async def on_the_wire(self) -> None:
-        """Returns once the request has been written to a provider (or the call ended without that). Only then
-        may the query embedding start: its thread would otherwise hold the GIL while the request is built."""
+    async def on_the_wire(self, patience_s: float = 0.025) -> None:
+        """Returns once the request has been written to a provider (or the call ended without that, or a slow
+        connect took patience_s). Only then may the query embedding start: its thread would otherwise hold the
+        GIL while the request is built."""
         waiter = asyncio.ensure_future(self.sent.wait())
         try:
-            await asyncio.wait({waiter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waiter, self.task}, timeout=patience_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
 
@@ -259,7 +260,9 @@ class Gateway:
         return self.providers.call(targets, PATHS[call.kind], call.body, call.forward_headers, sent)
 
     def cancel(self, speculation: Speculation, why: str, trace: Trace) -> None:
-        trace.speculative = f"cancelled ({why})"
+        # "discarded": the provider had already answered, so its work (and an external API's bill) was spent.
+        done = speculation.task.done() and not speculation.task.cancelled()
+        trace.speculative = f"{'discarded' if done else 'cancelled'} ({why})"
         self._spawn(speculation.cancel())
 
     def _spawn(self, work: Awaitable) -> None:

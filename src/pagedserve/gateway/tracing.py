@@ -37,7 +37,8 @@ class Trace:
     budget_spent_usd: float | None = None  # the user's spend today before this request
     budget_limit_usd: float | None = None
     attempts: list[dict] = field(default_factory=list)
-    speculative: str | None = None  # used | cancelled (cache hit) | cancelled (large tier); None: not started
+    # used | cancelled (why) | discarded (why: it had already answered); why: cache hit, small/large tier, error.
+    speculative: str | None = None  # None: no speculative call
     provider: str | None = None
     upstream_model: str | None = None
     prompt_tokens: int = 0
