@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	# Build the C++ kernels and convert the default GGUF once, so servers start in seconds.
 	$(BIN)/python -c "from pagedserve.model.kernels import cpu_kernels; assert cpu_kernels() is not None"
 	$(BIN)/python -c "from pagedserve.model.loader import load_model; load_model(None)"
+	$(BIN)/pagedserve gateway train-classifier  # the gateway's difficulty classifier, from the repo's labelled set
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -361,6 +361,15 @@ def test_speculative_call_is_used_on_a_miss_and_aborted_on_a_hit_or_a_different_
     assert (wrong["tier"], wrong["speculative"]) == (tier, f"cancelled ({tier} tier)")
     assert wrong["cost_usd"] == pytest.approx(expected_cost(wrong, tier), rel=1e-6)
 
+    # The provider's own 4xx on a speculative call passes through as it would on a serial one.
+    rejected = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {key['key']}"}, timeout=30,
+                          json={"model": "hr-fast", "messages": [{"role": "user", "content": "What time is lunch?"}],
+                                "max_tokens": 2, "top_p": 5, "cache": False})
+    assert rejected.status_code == 400 and rejected.json()["error"]["message"]
+    trace = admin_get(url, "/admin/traces?limit=1")["data"][0]
+    assert trace["speculative"] == "used" and [(a["provider"], a["status"]) for a in trace["attempts"]] == [
+        ("primary", "400")]
+
     # Streamed miss: the early stream is the one relayed.
     chunks = list(client.chat.completions.create(model="hr-fast", messages=[{"role": "user", "content": "Name a fruit."}],
                                                  max_tokens=6, temperature=0, stream=True))
