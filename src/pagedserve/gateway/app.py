@@ -246,7 +246,7 @@ class Gateway:
             return None
         tier, sent = call.request.route or "small", asyncio.Event()
         text = call.query if call.query is not None else call.request.query()[0]
-        if call.request.route is None and text and self.classifies(call):
+        if text and self.classifies(call):
             tier = "large" if self.classifier.guess(normalise(text)) >= call.route.hard_threshold else "small"
         task = asyncio.get_running_loop().create_task(self.upstream(call, call.route.tier(tier), sent))
         return Speculation(tier, task, sent)
