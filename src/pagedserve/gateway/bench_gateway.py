@@ -2,7 +2,9 @@
 
 1. Added latency on a cache miss: the same requests sent alternately straight to a `pagedserve serve`
    engine and through a `pagedserve gateway` in front of it (p50 / p99 of the difference), for the full
-   pipeline (semantic cache + classifier) and for the plumbing alone (cache off, one tier).
+   pipeline (semantic cache + classifier) with speculative calls on simple and on hard questions and
+   serially, and for the plumbing alone (cache off, one tier). Engine and gateway are pinned to separate
+   cores (--engine-cpus).
 2. Semantic-cache lookup time at 100k entries (faiss HNSW + SQLite fetch), against exact flat search.
 3. Hit rate, false hits and staleness on a replayed question stream with source-version bumps, against
    an exact-match cache.
