@@ -1,8 +1,9 @@
 """Difficulty classifier: logistic regression over the query embedding plus length and question-type
 features, and a second one over those features alone, which guesses the tier before the embedding exists
-(the gateway's speculative call goes to that guess). Both are trained on the labelled set in data/difficulty.jsonl at build time (`pagedserve gateway
-train-classifier`) or the first time it is needed, and cached under $PAGEDSERVE_CACHE (~/.cache/pagedserve)
-keyed by the training set's hash, so every gateway on the machine shares one training run.
+(the gateway's speculative call goes to that guess). Both are trained on the labelled set in
+data/difficulty.jsonl at build time (`pagedserve gateway train-classifier`) or the first time it is needed,
+and cached under $PAGEDSERVE_CACHE (~/.cache/pagedserve) keyed by the training set's hash, so every gateway
+on the machine shares one training run.
 """
 from __future__ import annotations
 

@@ -107,7 +107,6 @@ def _print(data) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-
     import uvicorn
 
     from pagedserve.gateway.app import create_app

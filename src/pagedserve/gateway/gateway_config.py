@@ -23,10 +23,10 @@ routes:
 ```
 
 `speculate` starts the provider call on the tier the request will most likely use (its pinned tier, else
-small) as soon as it is admitted, while the query is embedded for the cache lookup and the classifier. A
-miss routed to that tier then gets the call already in flight (the embedding adds no latency); a cache hit
-or a large-tier verdict cancels it, which aborts it at a pagedserve provider but may still be billed by an
-external API: opt in where a cancelled call is cheap.
+the classifier's lexical guess) as soon as it is admitted, while the query is embedded for the cache lookup
+and the classifier. A miss routed to that tier then gets the call already in flight (the embedding adds no
+latency); a cache hit or another verdict cancels it, which aborts it at a pagedserve provider but may still
+be billed by an external API: opt in where a cancelled call is cheap (docs/gateway.md).
 """
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ void run_task(const Task& t, const Span& sp, const uint16_t* q, int64_t q_row_st
       slots[j] = sp.table[p / block_size] * block_size + p % block_size;
     }
     load_chunk<D>(k_cache + t.kv_head * D, v_cache + t.kv_head * D, slots, n, row_stride, ch);
-    // Rows whose queries all precede this chunk see none of it; the tile's rows are in query order.
+    // Four rows at a time share each key vector load; rows that see none of the chunk skip its softmax.
     int64_t r = 0;
     const int64_t total = static_cast<int64_t>(rows.size());
     for (; r + 4 <= total; r += 4) rows_against_chunk<D, 4>(rows.data() + r, ch, k0, n, scale);
