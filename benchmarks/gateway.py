@@ -3,7 +3,7 @@ miss, semantic-cache lookup at 100k entries, hit rate and staleness on a replaye
 Run `python benchmarks/gateway.py --help` for options."""
 import sys
 
-from pagedserve.gateway.bench_gateway import main
+from pagedserve.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("gateway"))

@@ -2,7 +2,7 @@
 admission control on vs off. Run `python benchmarks/overload.py --help` for options."""
 import sys
 
-from pagedserve.server.bench_overload import main
+from pagedserve.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("overload"))

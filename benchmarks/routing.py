@@ -3,7 +3,7 @@
 Run `python benchmarks/routing.py --help` for options."""
 import sys
 
-from pagedserve.cluster.bench_routing import main
+from pagedserve.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("routing"))

@@ -2,7 +2,7 @@
 llama-server. Run `python benchmarks/serve.py --help` for options."""
 import sys
 
-from pagedserve.server.bench_serve import main
+from pagedserve.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("serve"))

@@ -2,7 +2,7 @@
 pagedserve vs transformers. Run `python benchmarks/throughput.py --help` for options."""
 import sys
 
-from pagedserve.engine.bench_throughput import main
+from pagedserve.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("throughput"))

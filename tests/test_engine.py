@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
+from pagedserve import LLM
 from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.llm import LLM
 from pagedserve.model.loader import default_model_path
 from pagedserve.sampling_params import SamplingParams
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.llm import LLM
+from pagedserve import LLM
 from pagedserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 

@@ -60,7 +60,7 @@ def test_rope_and_cache(kernels, rows: int) -> None:
 
 def test_bf16_fast_path_matches_plain_pytorch(kernels) -> None:
     """The whole bf16 model on the fused ops against the same model on PyTorch's elementwise ops."""
-    from pagedserve.llm import LLM
+    from pagedserve import LLM
     from pagedserve.sampling_params import SamplingParams
 
     prompts = ["The three most important inventions in history are", "def fibonacci(n):"]

@@ -9,7 +9,7 @@ import numpy as np
 import openai
 import pytest
 
-from pagedserve.llm import LLM
+from pagedserve import LLM
 from pagedserve.sampling_params import SamplingParams
 from tests.server_support import ServerProcess
 

@@ -1,4 +1,5 @@
-"""The one `pagedserve` command. Each tier registers its own subcommands from its own cli module."""
+"""The one `pagedserve` command. Each tier registers its own subcommands from its own cli module; the
+benchmarks register theirs from bench/cli.py."""
 from __future__ import annotations
 
 import argparse
@@ -9,12 +10,13 @@ from pathlib import Path
 
 import yaml
 
-# Each module defines register(subparsers, bench_subparsers); handlers are set with set_defaults(func=...).
-TIER_CLIS = [
-    "pagedserve.engine.cli",
+# Each module defines register(subparsers); handlers are set with set_defaults(func=...).
+SUBCOMMANDS = [
+    "pagedserve.generate",
     "pagedserve.server.cli",
     "pagedserve.cluster.cli",
     "pagedserve.gateway.cli",
+    "pagedserve.bench.cli",
 ]
 
 
@@ -25,10 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    bench = sub.add_parser("bench", help="run a benchmark and write its results to docs/benchmarks.md")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    for name in TIER_CLIS:
-        importlib.import_module(name).register(sub, bench_sub)
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(sub)
     return parser
 
 

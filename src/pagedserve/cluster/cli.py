@@ -1,4 +1,4 @@
-"""CLI of the cluster tier: `pagedserve router`, `pagedserve cluster up`, `pagedserve bench routing`."""
+"""CLI of the cluster tier: `pagedserve router` and `pagedserve cluster up`."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Adds this tier's subcommands."""
     from pagedserve.cluster.cluster_config import add_router_args
     from pagedserve.config import add_engine_args
@@ -53,31 +53,6 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     add_engine_args(up)
     up.set_defaults(func=run_cluster_up)
 
-    routing = bench.add_parser(
-        "routing", help="routing policies over 4 replicas (and a labelled simulation mode)",
-        description="round_robin vs least_load vs prefix_affinity over local replicas on a multi-tenant chat "
-                    "workload (prefix hit rate, throughput, TTFT p50/p99), then a clearly labelled simulation "
-                    "at 4/16/64 replicas in 3 regions calibrated from the run. Writes docs/benchmarks.md.")
-    add_bench_args(routing)
-    routing.set_defaults(func=run_bench_routing)
-
-
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, default=4, help="local replicas (1 thread each)")
-    p.add_argument("--policies", default="round_robin,least_load,prefix_affinity", help="comma-separated")
-    p.add_argument("--tenants", type=int, default=16, help="tenants, each with its own system prompt")
-    p.add_argument("--users", type=int, default=2, help="conversations per tenant")
-    p.add_argument("--turns", type=int, default=3, help="turns per conversation")
-    p.add_argument("--system-tokens", type=int, default=1000, help="system prompt length per tenant")
-    p.add_argument("--max-tokens", type=int, default=8, help="output tokens per turn")
-    p.add_argument("--concurrency", type=int, default=8, help="conversations in flight (closed loop)")
-    p.add_argument("--kv-cache-memory", default="128MiB",
-                   help="KV pool per replica: room for a few tenants' prompts, not for all of them")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--simulate", action="store_true",
-                   help="only the simulation, printed (uses the calibration the last real run saved in --docs)")
-    p.add_argument("--docs", type=Path, default=Path(__file__).resolve().parents[3] / "docs",
-                   help="where benchmarks.md and routing_calibration.json go")
 
 
 def serve_router(config, host: str, port: int) -> None:
@@ -121,9 +96,3 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         specs = [ReplicaSpec(url=url, name=f"replica-{i}") for i, url in enumerate(cluster.urls())]
         serve_router(config_from_args(args, specs), args.host, args.port)
     return 0
-
-
-def run_bench_routing(args: argparse.Namespace) -> int:
-    from pagedserve.cluster.bench_routing import run
-
-    return run(args)

@@ -1,4 +1,4 @@
-"""CLI of the gateway tier: `pagedserve gateway` (serve, keys, traces, sources, usage) and `bench gateway`.
+"""CLI of the gateway tier: `pagedserve gateway` (serve, keys, traces, sources, usage).
 
 Admin subcommands work on the gateway's store directly (the SQLite file or the shared Redis named in
 the config), so they work whether or not a gateway is running.
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 
-def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Adds this tier's subcommands."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", type=Path, default=argparse.SUPPRESS,
@@ -64,13 +64,6 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
 
     gsub.add_parser("train-classifier", help="train the difficulty classifier now (build time) into "
                     "$PAGEDSERVE_CACHE and print its cross-validated accuracy").set_defaults(func=_train)
-
-    from pagedserve.gateway import bench_gateway
-
-    b = bench.add_parser("gateway", help="gateway overhead, semantic-cache lookup at 100k entries, hit rate",
-                         description=bench_gateway.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_gateway.add_arguments(b)
-    b.set_defaults(func=bench_gateway.run_args)
 
 
 def _config(args: argparse.Namespace):

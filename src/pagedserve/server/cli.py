@@ -1,11 +1,11 @@
-"""CLI of the server tier: `pagedserve serve` and `pagedserve bench serve` (heavy imports inside handlers)."""
+"""CLI of the server tier: `pagedserve serve` (heavy imports inside handlers)."""
 from __future__ import annotations
 
 import argparse
 import os
 
 
-def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Adds this tier's subcommands."""
     from pagedserve.config import add_engine_args
 
@@ -29,17 +29,6 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     add_admission_args(p)
     add_engine_args(p)
     p.set_defaults(func=_serve)
-
-    from pagedserve.server import bench_overload, bench_serve
-
-    b = bench.add_parser("serve", help="online serving benchmark: Poisson arrivals over MIX vs llama-server",
-                         description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_serve.add_arguments(b)
-    b.set_defaults(func=bench_serve.run_args)
-    o = bench.add_parser("overload", help="overload control: 0.5x-3x capacity, priorities, control on vs off",
-                         description=bench_overload.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_overload.add_arguments(o)
-    o.set_defaults(func=bench_overload.run_args)
 
 
 def add_admission_args(parser: argparse.ArgumentParser) -> None:

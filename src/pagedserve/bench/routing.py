@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.benchreport import replace_section
+from pagedserve.bench.report import replace_section
 from pagedserve.cluster.launcher import LocalCluster, free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[3]
@@ -203,21 +203,26 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    from pagedserve.cluster.cli import add_bench_args
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=4, help="local replicas (1 thread each)")
+    p.add_argument("--policies", default="round_robin,least_load,prefix_affinity", help="comma-separated")
+    p.add_argument("--tenants", type=int, default=16, help="tenants, each with its own system prompt")
+    p.add_argument("--users", type=int, default=2, help="conversations per tenant")
+    p.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    p.add_argument("--system-tokens", type=int, default=1000, help="system prompt length per tenant")
+    p.add_argument("--max-tokens", type=int, default=8, help="output tokens per turn")
+    p.add_argument("--concurrency", type=int, default=8, help="conversations in flight (closed loop)")
+    p.add_argument("--kv-cache-memory", default="128MiB",
+                   help="KV pool per replica: room for a few tenants' prompts, not for all of them")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", action="store_true",
+                   help="only the simulation, printed (uses the calibration the last real run saved in --docs)")
+    p.add_argument("--docs", type=Path, default=REPO / "docs",
+                   help="where benchmarks.md and routing_calibration.json go")
 
-    parser = argparse.ArgumentParser(prog="benchmarks/routing.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_args(parser)
-    return parser.parse_args(argv)
 
-
-def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(sys.argv[1:] if argv is None else argv))
-
-
-def run(args: argparse.Namespace) -> int:
-    from pagedserve.cluster.routing_sim import DEFAULT_CALIBRATION, simulation_report
+def run_args(args: argparse.Namespace) -> int:
+    from pagedserve.bench.routing_sim import DEFAULT_CALIBRATION, simulation_report
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.simulate:

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pagedserve.benchreport import command_line, replace_section
-from pagedserve.workloads import corpus_tokens, mix
+from pagedserve.bench.report import command_line, replace_section
+from pagedserve.bench.workloads import corpus_tokens, mix
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RateResult:
 
 
 def mix_workload(tokenizer, num_requests: int, seed: int) -> list[BenchRequest]:
-    """MIX of the engine benchmark (pagedserve.workloads.mix), with each prompt's text for servers fed text."""
+    """MIX of the engine benchmark (pagedserve.bench.workloads.mix), with each prompt's text for servers fed text."""
     return [BenchRequest(job.prompt_token_ids, tokenizer.decode(job.prompt_token_ids), job.max_tokens)
             for job in mix(corpus_tokens(tokenizer), num_requests, seed)]
 
@@ -387,13 +387,6 @@ def bench_server(server: ServerProcess, requests: list[BenchRequest], rates: lis
         if summary.num_ok == 0:  # saturated beyond use: higher rates would only time out too
             break
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run_args(p.parse_args(sys.argv[1:] if argv is None else argv))
 
 
 def run_args(args: argparse.Namespace) -> int:

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.benchreport import machine_line, write_section
+from pagedserve.bench.report import machine_line, write_section
+from pagedserve.bench.workloads import Job, corpus_tokens, mix, prefix, w1
 from pagedserve.config import EngineConfig
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workloads import Job, corpus_tokens, mix, prefix, w1
 
 if TYPE_CHECKING:  # torch and the engine load only when a benchmark runs, keeping `--help` fast
     from pagedserve.engine.llm_engine import LLMEngine
@@ -143,14 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-write", action="store_true", help="print the table but leave docs/benchmarks.md alone")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/throughput.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-def run(args: argparse.Namespace) -> int:
+def run_args(args: argparse.Namespace) -> int:
     import torch
 
     from pagedserve.engine.llm_engine import LLMEngine
@@ -226,7 +218,3 @@ def render(rows, notes, args) -> str:
                      f"{'-' if ratio is None else f'{ratio:.2f}x'} | {what} |")
     lines += [""] + [f"- {n}" for n in notes] + ["- Ratio: how many times better pagedserve is (both directions)."]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

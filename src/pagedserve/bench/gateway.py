@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedserve.benchreport import command_line, replace_section
+from pagedserve.bench.report import command_line, replace_section
 
 SECTION = "## Gateway"
 REPO = Path(__file__).resolve().parents[3]
@@ -316,13 +316,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md is")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/gateway.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run_args(p.parse_args(sys.argv[1:] if argv is None else argv))
-
-
 def run_args(args: argparse.Namespace) -> int:
     import torch
 
@@ -354,7 +347,3 @@ def run_args(args: argparse.Namespace) -> int:
     replace_section(section, args.docs / "benchmarks.md")
     print(section)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
 The router side is the real code: the policies, the prefix index, the region map and the residency
 filter from this package decide every request. The replicas are modelled: a FIFO server whose service
 time is `warm_s + prefill_s_per_token * uncached + decode_s_per_token * output` (figures calibrated
-on a real replica by bench_routing.py), and an LRU prefix cache of `cache_tokens` holding system-prompt
+on a real replica by routing.py), and an LRU prefix cache of `cache_tokens` holding system-prompt
 and conversation segments. Clients sit in three regions; TTFT adds the RTT to the serving replica.
 Continuous batching is ignored (decode is charged serially), so absolute latencies are pessimistic;
 the comparison between policies is the point.
@@ -145,7 +145,7 @@ def simulate(config: SimConfig, calibration: dict) -> dict:
 
 def simulation_report(calibration: dict, seed: int = 0, sizes: tuple[int, ...] = (4, 16, 64)) -> str:
     lines = ["### SIMULATION, not a measurement: routing at cluster scale (3 regions)", "",
-             ("Discrete-event model (src/pagedserve/cluster/routing_sim.py): the real policies, prefix index, "
+             ("Discrete-event model (src/pagedserve/bench/routing_sim.py): the real policies, prefix index, "
              "region map and residency filter route; replicas are modelled as FIFO servers with an LRU prefix "
              f"cache of 5,500 tokens, costs calibrated above ({calibration.get('note', 'measured')}). "
              "4 tenants per replica, 4 users each, 4-turn conversations, 1,000-token system prompts; a quarter "

@@ -1,4 +1,4 @@
-"""Engine subcommands: `pagedserve generate` and `pagedserve bench throughput`."""
+"""`pagedserve generate`: the offline API (llm.py) from the shell, one prompt or chat turn."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 from pagedserve.config import add_engine_args
 
 
-def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate text offline with the engine",
                          description="Generate a completion for one prompt (or a chat turn) and print it.")
     gen.add_argument("--prompt", required=True, help="the prompt text")
@@ -15,14 +15,6 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=generate)
-
-    from pagedserve.engine.bench_throughput import __doc__ as doc
-    from pagedserve.engine.bench_throughput import add_arguments
-
-    tp = bench.add_parser("throughput", help="offline throughput: W1, MIX, PREFIX, single stream vs transformers",
-                          description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(tp)
-    tp.set_defaults(func=bench_throughput)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -63,9 +55,3 @@ def generate(args: argparse.Namespace) -> int:
     for c in outs[0].outputs:
         print(c.text if args.n == 1 else f"[{c.index}] {c.text}")
     return 0
-
-
-def bench_throughput(args: argparse.Namespace) -> int:
-    from pagedserve.engine.bench_throughput import run
-
-    return run(args)

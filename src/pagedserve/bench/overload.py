@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pagedserve.benchreport import command_line, machine_line, replace_section
-from pagedserve.server.bench_serve import REPO, ServerProcess, free_port
+from pagedserve.bench.report import command_line, machine_line, replace_section
+from pagedserve.bench.serve import REPO, ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +164,8 @@ def server_for(control: str, args: argparse.Namespace) -> ServerProcess:
 def run(args: argparse.Namespace) -> tuple[float, list[LoadPoint]]:
     """Both servers stay up; each load point runs against control off, then on, so drifts in machine
     load hit both alike."""
+    from pagedserve.bench.workloads import corpus_tokens
     from pagedserve.model.loader import load_model
-    from pagedserve.workloads import corpus_tokens
 
     tokens = corpus_tokens(load_model(None).tokenizer)
     mix = dict(zip(CLASSES, (float(x) for x in args.mix.split(",")), strict=True))
@@ -285,13 +285,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("server_args", nargs="*", default=["--max-num-batched-tokens", "512"],
                    help="`pagedserve serve` flags for both servers, after -- (default: --max-num-batched-tokens "
                         "512, steps short enough for a TTFT target on this CPU)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/overload.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run_args(p.parse_args(sys.argv[1:] if argv is None else argv))
 
 
 def run_args(args: argparse.Namespace) -> int:

@@ -1,0 +1,67 @@
+"""Stage 2, cache lookup with freshness: whether a request may use the semantic cache, the lookup against
+the current versions of the route's knowledge sources, the replay of a hit, and remembering new answers."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.gateway.call import Call
+from pagedserve.gateway.gateway_config import GatewayConfig
+from pagedserve.gateway.query_vectors import QueryVectors
+from pagedserve.gateway.semantic_cache import SemanticCache, normalise, scope_key
+from pagedserve.gateway.store import Store
+from pagedserve.gateway.streaming import replay, replay_chunks
+
+
+class CacheStage:
+    def __init__(self, config: GatewayConfig, store: Store, cache: SemanticCache | None, vectors: QueryVectors):
+        self.config = config
+        self.store = store
+        self.cache = cache
+        self.vectors = vectors
+
+    def cacheable(self, call: Call) -> bool:
+        """Whether the cache is consulted for this request; if not, says why in the trace."""
+        req, trace = call.request, call.trace
+        if self.cache is None:
+            trace.cache = "off"
+            return False
+        call.query, context = req.query()
+        if not req.cache or call.query is None or (self.config.cache.deterministic_only and not req.deterministic):
+            trace.cache = "bypass"
+            return False
+        tenant = {"team": call.key.team, "user": call.key.user, "key": call.key.key_id}[self.config.cache.scope]
+        call.scope = scope_key(tenant, call.route.name, call.body, context)
+        return True
+
+    async def look_up(self, call: Call) -> bool:
+        """True on a fresh hit (call.lookup holds it)."""
+        req, trace = call.request, call.trace
+        call.versions = await self.store.source_versions(sorted(set(call.route.sources) | set(req.sources)))
+        trace.sources = call.versions
+        call.vector = await self.vectors.vector(call.query)
+        threshold = call.route.cache_threshold or self.config.cache.threshold
+        call.lookup = self.cache.lookup(call.scope, call.vector, threshold, call.versions,
+                                        req.max_completion_tokens or req.max_tokens, normalise(call.query))
+        trace.cache, trace.cache_similarity = call.lookup.result, call.lookup.similarity
+        trace.stale_reason = call.lookup.stale_reason
+        return call.lookup.result == "hit"
+
+    def answer(self, call: Call) -> Response:
+        """The cached answer, replayed in the shape (and streaming or not) the client asked for."""
+        body = replay(call.lookup.entry.response, call.kind)
+        headers = call.response_headers(None)
+        if call.request.stream:
+            wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(iter(replay_chunks(body, call.kind, wants_usage)),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(body, headers=headers)
+
+    def remember(self, call: Call, body: dict) -> None:
+        """Caches a fresh answer against the source versions current when it was asked."""
+        if call.scope is None or call.vector is None:
+            return
+        choice = (body.get("choices") or [{}])[0]
+        ttl = call.route.cache_ttl_s or self.config.cache.ttl_s
+        self.cache.put(call.scope, call.query, call.vector, body, call.versions, ttl,
+                       call.request.max_completion_tokens or call.request.max_tokens, choice.get("finish_reason"),
+                       int((body.get("usage") or {}).get("completion_tokens") or 0))
