@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model.kernels import cpu_kernels
+from pagedserve.model.kernels import cpu_kernels, kernels_expected
 from pagedserve.model.llama import rotate
 
 BF16 = torch.bfloat16
@@ -15,7 +15,9 @@ BF16 = torch.bfloat16
 def kernels():
     k = cpu_kernels()
     if k is None:
-        pytest.skip("no C++ compiler here")
+        if kernels_expected():
+            pytest.fail("the C++ kernels failed to build on x86-64 with a compiler present (see the log)")
+        pytest.skip("no C++ compiler here, or not x86-64")
     return k
 
 

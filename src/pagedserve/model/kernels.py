@@ -1,11 +1,16 @@
 """Our C++ CPU kernels, compiled on first use into the virtualenv (per machine, -march=native).
 
-If no compiler is available the engine falls back to the pure-PyTorch path.
+If no C++ compiler is available the engine falls back to the pure-PyTorch path. Where the kernels are
+expected (x86-64 with a compiler), a build failure is a bug: it is logged as an error with its cause, and
+the tests fail on it instead of skipping.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import platform
+import shutil
 import sys
 from functools import cache
 from pathlib import Path
@@ -30,6 +35,16 @@ def cpu_kernels():
         return load(name="pagedserve_cpu_kernels", sources=[str(p) for p in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-    except Exception as e:  # noqa: BLE001 -- a missing compiler or headers: the torch path still works
-        logger.warning("C++ kernels unavailable (%s); using the PyTorch path", e)
+    except Exception as e:  # noqa: BLE001 -- the torch path still works; how loudly depends on why
+        if kernels_expected():
+            logger.error("C++ kernels failed to build although a compiler is present; falling back to the much "
+                         "slower PyTorch path: %s", e, exc_info=True)
+        else:
+            logger.warning("C++ kernels unavailable (no compiler or not x86-64): using the PyTorch path (%s)", e)
         return None
+
+
+def kernels_expected() -> bool:
+    """Whether the kernels must build here: an x86-64 CPU (they use AVX-512 / AVX2) and a C++ compiler."""
+    compiler = os.environ.get("CXX", "c++")
+    return platform.machine().lower() in ("x86_64", "amd64") and shutil.which(compiler) is not None
