@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from pagedserve.cluster.regions import parse_name
+
 
 @dataclass(slots=True)
 class ReplicaSpec:
@@ -56,6 +58,7 @@ class ClusterConfig:
     request_timeout_s: float = 600.0  # whole non-streamed answer
     stream_idle_timeout_s: float = 120.0  # gap between two chunks of a stream
     max_attempts: int = 3
+    max_body_bytes: int = 8 * 2**20  # 413 beyond, however the body is sent (a replica's own default)
     session_header: str = "x-session-id"
     residency_header: str = "x-residency"
     client_region_header: str = "x-client-region"
@@ -79,6 +82,10 @@ class ClusterConfig:
             raise ValueError("no replicas: give --replica URL (repeatable) or a --config file with replicas")
         for i, spec in enumerate(self.replicas):
             spec.name = spec.name or f"replica-{i}"
+            try:  # a tag no client header could name would be a replica no constraint selects
+                spec.tags = tuple(parse_name(t) for t in spec.tags)
+            except ValueError as exc:
+                raise ValueError(f"replica {spec.name}: residency tag {exc}") from None
         names = [s.name for s in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique: {names}")

@@ -1,10 +1,12 @@
 """Replica health: active /health probes, passive ejection on request failures, re-admission.
 
-A replica leaves rotation after `unhealthy_threshold` failed probes, at once when a request cannot
-connect or its connection breaks (the process is most likely gone), or after `passive_failures`
-consecutive timeouts / 5xx answers. Ejected replicas keep being probed and come back after
-`healthy_threshold` good probes; their prefix-cache estimate is dropped, since a restarted replica
-starts cold.
+A replica leaves rotation after `unhealthy_threshold` failed probes; at once when a request cannot
+connect (nothing listens there); after `passive_failures` consecutive timeouts, or 5xx answers to
+requests another replica then served; and when a request's connection broke or it answered 5xx and
+an immediate /health probe fails too. What one request provokes (a 5xx, a dropped connection) never
+ejects a replica whose probe still answers, so a client sending bad requests cannot take replicas
+out of service. Ejected replicas keep being probed and come back after `healthy_threshold` good
+probes; their prefix-cache estimate is dropped, since a restarted replica starts cold.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class HealthMonitor:
         self.on_eject = on_eject
         self.on_readmit = on_readmit
         self._passive: dict[str, int] = {}
+        self._confirming: dict[str, asyncio.Task] = {}
 
     async def run(self) -> None:
         while True:
@@ -48,19 +51,25 @@ class HealthMonitor:
         await asyncio.gather(*(self.probe(r) for r in self.replicas))
 
     async def probe(self, replica: Replica) -> None:
-        start = time.perf_counter()
-        try:
-            response = await self.client.get(replica.url + "/health", timeout=self.timeout_s)
-            ok, reason = response.status_code == 200, f"/health answered {response.status_code}"
-        except httpx.HTTPError as exc:
-            ok, reason = False, f"/health failed: {type(exc).__name__} {exc}".strip()
+        ok, reason = await self._check(replica)
         if ok:
-            replica.observe_latency((time.perf_counter() - start) * 1000)
             if not replica.models:
                 await self._load_info(replica)
             self._probe_succeeded(replica)
         else:
             self._probe_failed(replica, reason)
+
+    async def _check(self, replica: Replica) -> tuple[bool, str]:
+        """One GET /health: whether it answered 200, and what went wrong if not."""
+        start = time.perf_counter()
+        try:
+            response = await self.client.get(replica.url + "/health", timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            return False, f"/health failed: {type(exc).__name__} {exc}".strip()
+        if response.status_code != 200:
+            return False, f"/health answered {response.status_code}"
+        replica.observe_latency((time.perf_counter() - start) * 1000)
+        return True, ""
 
     async def _load_info(self, replica: Replica) -> None:
         """What the replica serves and how large its KV pool is (for the prefix index's budget)."""
@@ -92,12 +101,30 @@ class HealthMonitor:
         elif not replica.healthy:
             replica.ejected_reason = reason
 
-    def request_failed(self, replica: Replica, reason: str, fatal: bool) -> None:
-        """Passive signal from a proxied request; `fatal` for broken connections."""
+    def unreachable(self, replica: Replica, reason: str) -> None:
+        """A request could not connect: nothing listens there, whatever the request was."""
+        if replica.healthy:
+            self.eject(replica, reason, "passive")
+
+    def request_failed(self, replica: Replica, reason: str) -> None:
+        """Passive evidence the request does not explain (a timeout, or a 5xx another replica did not
+        repeat): ejects after `passive_failures` in a row."""
         count = self._passive.get(replica.name, 0) + 1
         self._passive[replica.name] = count
-        if replica.healthy and (fatal or count >= self.passive_failures):
+        if replica.healthy and count >= self.passive_failures:
             self.eject(replica, reason, "passive")
+
+    def suspect(self, replica: Replica, reason: str) -> None:
+        """A failure the request itself may have caused (a 5xx answer, a connection broken mid-answer):
+        ejects only if an immediate /health probe fails too. One probe per replica at a time."""
+        running = self._confirming.get(replica.name)
+        if replica.healthy and (running is None or running.done()):
+            self._confirming[replica.name] = asyncio.create_task(self._confirm(replica, reason))
+
+    async def _confirm(self, replica: Replica, reason: str) -> None:
+        ok, probe_reason = await self._check(replica)
+        if not ok and replica.healthy:
+            self.eject(replica, f"{reason}; then {probe_reason}", "confirmed")
 
     def request_succeeded(self, replica: Replica) -> None:
         self._passive[replica.name] = 0

@@ -26,6 +26,8 @@ class RouterMetrics:
                                     registry=r)
         self.rejections = Counter(PREFIX + "rejections", "requests answered 503 because no allowed replica was "
                                   "healthy", ["residency"], registry=r)
+        self.client_disconnects = Counter(PREFIX + "client_disconnects", "requests whose client left before "
+                                          "their answer began (their upstream request is cancelled)", registry=r)
         self.prefix_query = Counter(PREFIX + "prefix_query", "prefix-index units looked up", registry=r)
         self.prefix_hit = Counter(PREFIX + "prefix_hit", "prefix-index units the chosen replica is expected to "
                                   "hold (estimated hit rate = hit / query)", ["replica"], registry=r)

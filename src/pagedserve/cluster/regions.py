@@ -5,15 +5,28 @@ from the client's region plus the replica's measured latency) only orders what r
 """
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
 
 from pagedserve.cluster.replica import Replica
 
+NAME = re.compile(r"[a-z0-9][a-z0-9_.:-]*")  # a residency tag or region name, lowercased
+OPTIONAL_WHITESPACE = " \t"  # RFC 9110's OWS; anything else around a value is part of it
+
+
+def parse_name(text: str) -> str:
+    """A tag or region name, lowercased; ValueError unless it is one."""
+    name = text.strip(OPTIONAL_WHITESPACE).lower()
+    if not NAME.fullmatch(name):
+        raise ValueError(f"{text!r} is not a valid name (ASCII letters, digits, '_', '.', ':', '-')")
+    return name
+
 
 def parse_residency(value: str | None) -> frozenset[str]:
-    """'eu' or 'eu,gdpr' -> tags a replica must all carry; empty means no constraint."""
-    return frozenset(t.strip().lower() for t in (value or "").split(",") if t.strip())
+    """'eu' or 'eu, gdpr' -> tags a replica must all carry (empty parts skipped); ValueError on a part
+    that is not a tag, so a malformed value is refused rather than read as a weaker constraint."""
+    return frozenset(parse_name(t) for t in (value or "").split(",") if t.strip(OPTIONAL_WHITESPACE))
 
 
 def allowed_by_residency(replica: Replica, residency: frozenset[str]) -> bool:
@@ -27,7 +40,12 @@ class RegionMap:
     slack_ms: float = 25.0
     spill_inflight: int = 16
 
+    def __post_init__(self) -> None:
+        self.rtt_ms = {a.lower(): {b.lower(): ms for b, ms in row.items()} for a, row in self.rtt_ms.items()}
+
     def rtt(self, client_region: str, replica_region: str) -> float:
+        """Region names compare case-insensitively, as client headers are read."""
+        client_region, replica_region = client_region.lower(), replica_region.lower()
         row = self.rtt_ms.get(client_region, {})
         if replica_region in row:
             return float(row[replica_region])
