@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -15,7 +16,7 @@ from tests.polling import wait_for
 class ServerProcess:
     """Starts the server with `args`, waits until /health answers 200, and drains its log."""
 
-    def __init__(self, args: list[str], startup_timeout: float = 180.0) -> None:
+    def __init__(self, args: list[str], startup_timeout: float = 180.0, log_path: Path | None = None) -> None:
         cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--disable-access-log", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -28,8 +29,13 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
-        # Drain the log so the pipe never fills and blocks the server.
-        self._drain = subprocess.Popen(["cat"], stdin=self.proc.stdout, stdout=subprocess.DEVNULL)
+        # Drain the log (into log_path, after what was read so far) so the pipe never fills and blocks the server.
+        if log_path is None:
+            self._drain = subprocess.Popen(["cat"], stdin=self.proc.stdout, stdout=subprocess.DEVNULL)
+            return
+        log_path.write_text("".join(self.log) + self.banner)
+        with log_path.open("a") as sink:
+            self._drain = subprocess.Popen(["cat"], stdin=self.proc.stdout, stdout=sink)
 
     def _read_url(self, deadline: float) -> str:
         while True:

@@ -83,6 +83,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
+        self.max_num_seqs: int = engine.config.max_num_seqs
         self.stats = engine.stats()
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}

@@ -71,8 +71,6 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.config.name
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
         self.eos_token_ids = loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
         model = LlamaForCausalLM(loaded.config, loaded.weights.pop("rope_freqs", None))
         model.load_weights(loaded.weights)
@@ -81,6 +79,7 @@ class LLMEngine:
             loaded.config, self.dtype, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds not even one KV block")
+        self.max_model_len = self._fit_context(num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, loaded.config, self.dtype, num_blocks, config.block_size,
                                   use_kernel=config.attention_backend == "cpp")
@@ -94,6 +93,18 @@ class LLMEngine:
         logger.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.dtype, time.perf_counter() - t0, num_blocks, config.block_size,
                     self.max_model_len)
+
+    def _fit_context(self, pool_tokens: int) -> int:
+        """The context length: the model's (or the configured cap), but never more than the KV pool holds,
+        so that any request the context admits can run (as vLLM caps it, with a warning)."""
+        model_len = self.model_config.max_position_embeddings
+        wanted = min(self.config.max_model_len or model_len, model_len)
+        if wanted <= pool_tokens:
+            return wanted
+        logger.warning("the KV pool (--kv-cache-memory %s) holds %d tokens, fewer than max_model_len %d: "
+                       "capping max_model_len to %d; raise --kv-cache-memory for longer contexts",
+                       self.config.kv_cache_memory, pool_tokens, wanted, pool_tokens)
+        return pool_tokens
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
@@ -129,10 +140,6 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but "
                              f"{total} were requested ({len(ids)} in the prompt, {params.max_tokens} to generate)")
-        blocks = -(-total // self.kv.block_size)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(f"the request needs {blocks} KV blocks ({total} tokens) but the whole KV pool has "
-                             f"{self.kv.num_blocks}; lower max_tokens or raise --kv-cache-memory")
         return params
 
     def _add_seq(self, group: RequestGroup, req: Request, running: bool = False) -> None:

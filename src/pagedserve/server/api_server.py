@@ -39,8 +39,11 @@ def admission_config(args: argparse.Namespace, engine: AsyncLLM) -> AdmissionCon
         degrade, shed_after = parse_degrade(args.degrade), parse_shed_after(args.shed_after)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    return AdmissionConfig(enabled=args.admission_control == "on",
-                           max_queued_tokens=args.max_queued_tokens or kv.num_blocks * kv.block_size,
+    bound = args.max_queued_tokens or kv.num_blocks * kv.block_size
+    if bound < engine.max_model_len:
+        logger.warning("--max-queued-tokens %d is below max_model_len %d: a request without max_tokens may need "
+                       "more than that and is refused", bound, engine.max_model_len)
+    return AdmissionConfig(enabled=args.admission_control == "on", max_queued_tokens=bound,
                            max_queued_requests=args.max_queued_requests, ttft_slo=args.ttft_slo,
                            degrade_at=args.degrade_at, degrade=degrade, shed_after=shed_after)
 

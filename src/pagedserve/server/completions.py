@@ -28,11 +28,8 @@ from pagedserve.server.serving import (
 
 
 def prompt_list(prompt: str | list) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", "prompt")
-    if isinstance(prompt[0], int):
+    """One prompt per engine request (the schema has already refused empty ones)."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
 

@@ -35,44 +35,85 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+def printable(text: str) -> str:
+    """text with lone UTF-16 surrogates written as \\udXXX escapes: JSON may carry them, UTF-8 cannot,
+    and an error message that quotes the client's input must still be encodable."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return ErrorResponse(error=ErrorInfo(message=printable(message), type=kind,
+                                         param=None if param is None else printable(param), code=code))
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code).model_dump(), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code).model_dump(), status_code=status, headers=headers)
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """The first validation problem as a sentence, plus the parameter it concerns."""
-    err = exc.errors()[0]
-    param = _field_path(err.get("loc", ()))
+    """The most telling validation problem as a sentence, plus the parameter it concerns."""
+    err = _most_telling(exc.errors())
+    param, item = _field_path(err.get("loc", ()))
     kind = err.get("type", "")
     if kind == "json_invalid":
         return "request body is not valid JSON", None
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":
+        if param is None:
+            return "the request body is missing: send a JSON object as Content-Type: application/json", None
         return f"'{param}' is a required property", param
+    if kind == "string_unicode":  # e.g. a lone surrogate in a field's name, which pydantic cannot even read
+        return "the request body holds text that is not valid Unicode (a lone UTF-16 surrogate)", param
     if kind == "model_attributes_type":
         return "request body must be a JSON object sent as Content-Type: application/json", None
     message = err.get("msg", "invalid request").removeprefix("Value error, ")
-    return (f"{message} (parameter '{param}')" if param else message), param
+    where = f"'{param}'" + (f", at {param}{item}" if item else "")
+    return (f"{message} (parameter {where})" if param else message), param
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """The error of the first failing field that explains it best. A union field fails once per branch
+    (stop as a string and as a list); the branch that got furthest into the input is the one the
+    client meant, and a wrong value there says more than a wrong type."""
+    first = _field_path(errors[0].get("loc", ()))[0]
+    same_field = [e for e in errors if _field_path(e.get("loc", ()))[0] == first]
+
+    def progress(err: dict) -> tuple:
+        item = [p for p in _branch_rest(err.get("loc", ())) if isinstance(p, int)]
+        return len(item), item, not err.get("type", "").endswith(("_type", "_parsing"))
+
+    return max(same_field, key=progress)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _field_path(loc: tuple) -> str | None:
-    """'messages.0.role' from pydantic's loc, dropping 'body' and the branch tags unions add."""
+def _is_tag(part: object) -> bool:
+    text = str(part)
+    return text in _TYPE_TAGS or "[" in text or "-" in text
+
+
+def _branch_rest(loc: tuple) -> tuple:
+    """The part of loc after a union's branch tag (where in the value the branch failed)."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and _is_tag(part):
+            return tuple(loc[i + 1:])
+    return ()
+
+
+def _field_path(loc: tuple) -> tuple[str | None, str]:
+    """('messages.0.role', '') from pydantic's loc, dropping 'body'; a union's branch tag ends the
+    parameter, and the indices after it come back as '[0][1]'."""
     parts = []
     for part in loc[1:] if loc[:1] == ("body",) else loc:
-        text = str(part)
-        if text in _TYPE_TAGS or "[" in text or "-" in text:
+        if _is_tag(part):
             break
-        parts.append(text)
-    return ".".join(parts) or None
+        parts.append(str(part))
+    item = "".join(f"[{p}]" for p in _branch_rest(loc) if isinstance(p, int))
+    return ".".join(parts) or None, item
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -89,7 +130,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = 400 if exc.status_code == 422 else exc.status_code
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
-        return error_response(status, detail)
+        return error_response(status, detail, headers=exc.headers)  # a 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

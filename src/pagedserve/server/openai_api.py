@@ -59,7 +59,7 @@ def create_app(state: ServerState, api_key: str | None = None,
     install_error_handlers(app)
     state.metrics.watch_engine(lambda: state.engine.stats)
     state.metrics.watch_admission(state.admission)
-    app.include_router(_api_routes(state, _auth_dependency(api_key)))
+    app.include_router(_api_routes(state, [] if api_key is None else [Depends(_auth_dependency(api_key))]))
     app.include_router(_open_routes(state))
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes,
                        on_response=lambda path, status: state.metrics.record_request(
@@ -68,13 +68,12 @@ def create_app(state: ServerState, api_key: str | None = None,
     return app
 
 
-BEARER = HTTPBearer(auto_error=False, description="required when the server runs with --api-key")
+# Declared (and so documented as the routes' security) only when the server runs with --api-key.
+BEARER = HTTPBearer(auto_error=False, description="the server's --api-key")
 
 
-def _auth_dependency(api_key: str | None):
+def _auth_dependency(api_key: str):
     async def check(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
-        if api_key is None:
-            return
         given = credentials.credentials if credentials else ""
         if not secrets.compare_digest(given.encode(), api_key.encode()):
             message = "Incorrect API key provided." if given else "Missing API key: send Authorization: Bearer KEY."
@@ -83,8 +82,8 @@ def _auth_dependency(api_key: str | None):
     return check
 
 
-def _api_routes(state: ServerState, auth) -> APIRouter:
-    r = APIRouter(dependencies=[Depends(auth)], responses=ROUTE_ERRORS)
+def _api_routes(state: ServerState, auth: list) -> APIRouter:
+    r = APIRouter(dependencies=auth, responses=ROUTE_ERRORS)
 
     @r.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_DOC)
     async def completions(req: CompletionRequest, request: Request) -> Response:

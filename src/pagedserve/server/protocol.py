@@ -5,11 +5,24 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+
+def _valid_unicode(text: str) -> str:
+    """JSON can escape a lone UTF-16 surrogate ("\\ud800"); no tokenizer or UTF-8 encoder can take one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text must be valid Unicode: a lone UTF-16 surrogate at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Prompt = Annotated[Text, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # the engine keeps seeds in int64
-Stop = str | Annotated[list[str], Field(max_length=16)] | None
+Stop = Text | Annotated[list[Text], Field(max_length=16)] | None
 
 
 def random_id(prefix: str) -> str:
@@ -17,9 +30,10 @@ def random_id(prefix: str) -> str:
 
 
 class StrictModel(BaseModel):
-    """Requests reject fields they don't know (OpenAI does too), so nothing is silently ignored."""
+    """Requests reject fields they don't know (OpenAI does too), so nothing is silently ignored, and take
+    each value only in the JSON type the schema gives it (no true as 1, no "16" as 16)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # ---- errors ----
@@ -44,7 +58,7 @@ class StreamOptions(StrictModel):
 class SamplingFields(StrictModel):
     """Sampling fields common to completions and chat, including vLLM's extras."""
 
-    model: str | None = Field(None, description="served model name; defaults to the one model served")
+    model: Text | None = Field(None, description="served model name; defaults to the one model served")
     n: int = Field(1, ge=1, le=64)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -62,7 +76,7 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = Field(False, description="vLLM extra")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     priority: int | Literal["critical", "standard", "sheddable"] | None = Field(
         None, description="pagedserve/vLLM extra: a class or an integer (lower is more important); "
                           "default standard (0); also the x-priority header")
@@ -80,8 +94,9 @@ class SamplingFields(StrictModel):
 # ---- completions ----
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists (none empty)")
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -128,13 +143,13 @@ class CompletionResponse(BaseModel):
 
 class TextPart(StrictModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -143,16 +158,25 @@ class ChatMessage(StrictModel):
 
 
 class ResponseFormat(StrictModel):
-    type: str
+    type: Text
     json_schema: dict | None = None
 
 
+# top_logprobs asks for alternatives of logprobs, so it needs logprobs: true (OpenAI's rule), said in the schema too.
+TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
+
+
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is supported")
     add_generation_prompt: bool = Field(True, description="vLLM extra")
 
@@ -228,12 +252,12 @@ class ChatCompletionChunk(BaseModel):
 # ---- embeddings ----
 
 class EmbeddingRequest(StrictModel):
-    input: str | Annotated[list[str], Field(min_length=1, max_length=2048)] = Field(
-        description="a string or a list of strings (token-id input is not supported)")
-    model: str | None = None
+    input: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=2048)] = Field(
+        description="a non-empty string or a list of 1 to 2048 of them (token-id input is not supported)")
+    model: Text | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
+    user: Text | None = None
 
 
 class Embedding(BaseModel):
@@ -270,9 +294,13 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(StrictModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    """Exactly one of prompt and messages (neither is nullable, so the schema's oneOf says it exactly)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
+    model: Text | None = None
+    prompt: Text = Field(None, description="text to tokenize as is; or give messages")  # type: ignore[assignment]
+    messages: list[ChatMessage] = Field(None, description="a chat to render with the model's template")  # type: ignore[assignment]
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
@@ -289,7 +317,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(StrictModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[TokenId]
 
 

@@ -111,6 +111,7 @@ async def start_streams(state: ServerState, ctx: RequestContext, request_id: str
         raise APIError(503, "the engine is not running", code="engine_unavailable",
                        headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
     prompt_ids = [state.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    _check_size(state, prompt_ids, params, param)
     params = _degraded(state, ctx, params)
     ticket = _admit(state, ctx, prompt_ids, params)
     priority = ctx.priority if state.admission.config.enabled else 0
@@ -135,6 +136,25 @@ async def start_streams(state: ServerState, ctx: RequestContext, request_id: str
         raise APIError(503, str(exc), code="engine_unavailable",
                        headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)}) from exc
     raise exc
+
+
+def _check_size(state: ServerState, prompt_ids: list[list[int]], params: SamplingParams, param: str) -> None:
+    """Refuses a request that one server could never hold: more sequences (prompts x n) than the engine
+    runs at once, or more KV tokens than the admission bound. An empty queue admits anything, so such a
+    request would otherwise take every seat and block for minutes while everything after it is shed."""
+    seats, sequences = state.engine.max_num_seqs, len(prompt_ids) * params.n
+    if sequences > seats:
+        raise APIError(400, f"this request asks for {sequences} sequences ({len(prompt_ids)} prompt(s) x "
+                            f"n={params.n}); this server runs at most {seats} at once, so send at most that many "
+                            "per request",
+                       "n" if len(prompt_ids) == 1 else param, "request_too_large")
+    max_len, bound = state.engine.max_model_len, state.admission.config.max_queued_tokens
+    # A prompt past the context is the engine's to refuse (with the more telling message).
+    cost = params.n * sum(min(max_len, len(ids) + (params.max_tokens or max_len)) for ids in prompt_ids)
+    if cost > bound:
+        raise APIError(400, f"this request may need {cost} KV tokens ({len(prompt_ids)} prompt(s) x n={params.n} x "
+                            f"(prompt + max_tokens)), more than the {bound} this server admits at once; lower "
+                            "max_tokens, n or the number of prompts", "max_tokens", "request_too_large")
 
 
 def _admit(state: ServerState, ctx: RequestContext, prompt_ids: list[list[int]], params: SamplingParams) -> Ticket:
@@ -286,8 +306,9 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
         listener.cancel()
         if not task.done():
             task.cancel()
+    await asyncio.wait({task})  # cancelling takes effect only when the task runs again (and closes its call)
     if task.cancelled():
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request", counted as such
     return task.result()
 
 
