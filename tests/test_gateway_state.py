@@ -140,11 +140,11 @@ def test_budget_reserve_settle_and_limits(kind, tmp_path, request):
         await keeper.settle(hold, 0.25)  # real cost was lower: the difference comes back
         rows = {r["scope"]: r["spend_usd"] for r in await keeper.usage(keeper.day())}
         assert rows == {f"key:{key.key_id}": 0.25, "user:carol": 0.25}
-        with pytest.raises(BudgetExceeded, match=r"key .* exhausted: spent \$0.2500 of \$1.00"):
+        with pytest.raises(BudgetExceeded, match=r"key .* exhausted: spent \$0.25 of \$1.00"):
             await keeper.reserve(key, 0.8)
         _, other_key = mint_key("carol")  # same user, another key: the user's $2 still binds
         await keeper.settle(await keeper.reserve(other_key, 1.7), 1.7)
-        with pytest.raises(BudgetExceeded, match=r"user carol is exhausted: spent \$1.9500 of \$2.00.*resets at"):
+        with pytest.raises(BudgetExceeded, match=r"user carol is exhausted: spent \$1.95 of \$2.00.*resets at"):
             await keeper.reserve(other_key, 0.1)
         await store.close()
     run(scenario())

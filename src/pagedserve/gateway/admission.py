@@ -5,7 +5,6 @@ reservation with what the request actually used.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from fastapi import Request
@@ -56,12 +55,15 @@ class Admission:
         if not key.allows(route.name):
             raise APIError(403, f"API key {key.key_id} may not use the model '{route.name}'.",
                            code="model_not_allowed", param="model")
-        completion = req.completion_limit(self.config.default_max_tokens)
-        prompt_tokens = math.ceil(req.prompt_chars() / 4)
+        cap = route.max_tokens or self.config.default_max_tokens
+        if req.max_tokens is None and req.max_completion_tokens is None:
+            body["max_tokens"] = req.completion_limit(cap)  # sent, so the provider cannot pass the bound below
+        prompt_tokens, completion = req.prompt_bound(), req.completion_bound(cap)
         decision = await self.limiter.admit(key, prompt_tokens + completion)
         if not decision.allowed:
             raise APIError(429, decision.message, code="rate_limit_exceeded", headers=decision.headers)
-        call = Call(kind, key, route, req, body, trace, prompt_tokens + completion, headers=decision.headers)
+        call = Call(kind, key, route, req, body, trace, prompt_tokens + completion, prompt_tokens,
+                    headers=decision.headers)
         try:
             call.hold = await self.budgets.reserve(key, self.cost_estimate(route, prompt_tokens, completion))
         except BudgetExceeded as e:
@@ -75,7 +77,7 @@ class Admission:
         return call
 
     def cost_estimate(self, route: RouteConfig, prompt_tokens: int, completion_tokens: int) -> float:
-        """The dearest model the route may end up on: the reservation must cover any fallback."""
+        """The worst case: both token bounds priced at the dearest model the route may fall back to."""
         return max(self.config.target_price(t).cost(prompt_tokens, completion_tokens) for t in route.small + route.large)
 
 
@@ -84,6 +86,7 @@ def _first(value, default):
 
 
 async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` (chunked bodies too: counted while read)."""
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body of {length} bytes exceeds the gateway's limit of {limit} bytes",

@@ -165,6 +165,9 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, **kwargs) 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        warning = await gw.store.persistence_warning()
+        if warning:
+            log.warning("%s", warning)
         yield
         await gw.close()
 

@@ -14,7 +14,7 @@ class ApiKey:
     key_id: str  # public handle: the first 12 hex digits of the hash
     key_hash: str
     user: str
-    team: str = "default"
+    team: str | None = None  # the semantic cache's tenant; None: the key's answers are shared only with its user
     models: list[str] = field(default_factory=list)  # allowed routes; empty: all
     residency: str | None = None  # passed to the router as x-residency
     rpm: int | None = None  # requests per minute; None: unlimited

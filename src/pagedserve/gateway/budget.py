@@ -1,4 +1,7 @@
-"""Daily money budgets per key and per user: reserve an estimate before the call, settle real cost after.
+"""Daily money budgets per key and per user: hold the worst case before the call, settle real cost after.
+
+A hold is kept apart from spend (the store's `holds`), so reservations of requests in flight bind the
+limit atomically, while usage and the "exhausted" message report what was really spent.
 
 A day is a calendar day in the configured time zone, so budgets reset at that zone's midnight (DST
 included). Spend is kept per (day, scope); a new day simply starts a new row, nothing has to be reset.
@@ -21,8 +24,14 @@ class BudgetHold:
     day: str
     scopes: list[str]
     reserved: int  # nanodollars
-    spent_before: list[float]  # dollars per scope
+    spent_before: list[float]  # dollars really spent per scope, holds of other requests not included
     limits: list[float | None]
+
+
+def usd(dollars: float) -> str:
+    """Dollars with cents, and more digits only where they matter: $2.00, $0.25, $0.00105."""
+    cents = f"{dollars:.2f}"
+    return f"${cents}" if abs(float(cents) - dollars) < 5e-10 else f"${dollars:.9f}".rstrip("0")
 
 
 class BudgetExceeded(Exception):
@@ -54,14 +63,15 @@ class BudgetKeeper:
             i = result.failed_index
             who = f"key {key.key_id}" if i == 0 else f"user {key.user}"
             reset = self.resets_at().strftime("%Y-%m-%d %H:%M %Z")
-            raise BudgetExceeded(f"daily budget of {who} is exhausted: spent ${spent[i]:.4f} of ${limits[i]:.2f} "
-                                 f"today and this request may cost up to ${estimate_usd:.4f}; it resets at {reset}")
+            held = result.held[i] / NANO
+            in_flight = f" ({usd(held)} more is held by requests in flight)" if held > 0 else ""
+            raise BudgetExceeded(f"daily budget of {who} is exhausted: spent {usd(spent[i])} of {usd(limits[i])} "
+                                 f"today{in_flight} and this request may cost up to {usd(amount / NANO)}; "
+                                 f"it resets at {reset}")
         return BudgetHold(day, scopes, amount, spent, limits)
 
     async def settle(self, hold: BudgetHold, actual_usd: float) -> None:
-        delta = to_nano(actual_usd) - hold.reserved
-        if delta:
-            await self.store.add_spend(hold.day, hold.scopes, delta)
+        await self.store.settle(hold.day, hold.scopes, hold.reserved, to_nano(actual_usd))
 
     async def usage(self, day: str | None = None) -> list[dict]:
         return [{"day": d, "scope": scope, "spend_usd": nanos / NANO} for d, scope, nanos in await self.store.usage(day)]

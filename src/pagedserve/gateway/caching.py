@@ -11,6 +11,8 @@ from pagedserve.gateway.semantic_cache import SemanticCache, normalise, scope_ke
 from pagedserve.gateway.store import Store
 from pagedserve.gateway.streaming import replay, replay_chunks
 
+LEGACY_NO_TEAM = "default"  # what keys made without a team were given before teams became optional
+
 
 class CacheStage:
     def __init__(self, config: GatewayConfig, store: Store, cache: SemanticCache | None, vectors: QueryVectors):
@@ -26,12 +28,20 @@ class CacheStage:
             trace.cache = "off"
             return False
         call.query, context = req.query()
-        if not req.cache or call.query is None or (self.config.cache.deterministic_only and not req.deterministic):
-            trace.cache = "bypass"
+        if (not req.cache or call.query is None or not req.text_only
+                or (self.config.cache.deterministic_only and not req.deterministic)):
+            trace.cache = "bypass"  # an image or audio part would be invisible to the key: not cached
             return False
-        tenant = {"team": call.key.team, "user": call.key.user, "key": call.key.key_id}[self.config.cache.scope]
-        call.scope = scope_key(tenant, call.route.name, call.body, context)
+        call.scope = scope_key(self.tenant(call), f"{call.kind}:{call.route.name}", call.body, context)
         return True
+
+    def tenant(self, call: Call) -> str:
+        """Who shares cached answers: the key's team under `scope: team`, but only when the key names one;
+        a key without a team shares with its own user only."""
+        key, scope = call.key, self.config.cache.scope
+        if scope == "team" and key.team and key.team != LEGACY_NO_TEAM:
+            return f"team:{key.team}"
+        return f"key:{key.key_id}" if scope == "key" else f"user:{key.user}"
 
     async def look_up(self, call: Call) -> bool:
         """True on a fresh hit (call.lookup holds it)."""
@@ -58,10 +68,14 @@ class CacheStage:
 
     def remember(self, call: Call, body: dict) -> None:
         """Caches a fresh answer against the source versions current when it was asked."""
-        if call.scope is None or call.vector is None:
+        choices = body.get("choices")
+        if call.scope is None or call.vector is None or not isinstance(choices, list) or len(choices) != 1:
             return
-        choice = (body.get("choices") or [{}])[0]
+        choice = choices[0] if isinstance(choices[0], dict) else {}
+        finish = choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+        completion_tokens = usage.get("completion_tokens")
         ttl = call.route.cache_ttl_s or self.config.cache.ttl_s
         self.cache.put(call.scope, call.query, call.vector, body, call.versions, ttl,
-                       call.request.max_completion_tokens or call.request.max_tokens, choice.get("finish_reason"),
-                       int((body.get("usage") or {}).get("completion_tokens") or 0))
+                       call.request.max_completion_tokens or call.request.max_tokens, finish,
+                       completion_tokens if isinstance(completion_tokens, int) else 0)

@@ -21,7 +21,8 @@ class Call:
     request: GatewayRequest
     body: dict
     trace: Trace
-    tokens_estimate: int
+    tokens_estimate: int  # prompt_bound + every choice's completion limit: reserved from the tpm bucket
+    prompt_bound: int
     hold: BudgetHold | None = None
     headers: dict[str, str] = field(default_factory=dict)  # the rate limiter's, returned to the client
     forward_headers: dict[str, str] = field(default_factory=dict)

@@ -81,6 +81,7 @@ class RouteConfig:
     cache_ttl_s: float | None = None
     hard_threshold: float = 0.5  # classifier probability of "hard" at or above which the large tier is used
     speculate: bool = False  # start the likely tier's call while the cache lookup and classifier run
+    max_tokens: int | None = None  # sent as max_tokens when a chat request has none; None: default_max_tokens
 
     def tier(self, name: str) -> list[Target]:
         return self.large if name == "large" and self.large else self.small
@@ -141,7 +142,7 @@ class GatewayConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     max_body_bytes: int = 1 << 20
-    default_max_tokens: int = 256  # used for estimates when a request does not say
+    default_max_tokens: int = 256  # sent (and reserved) when a chat request gives no max_tokens
     otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
     trace_retention_days: float = 30.0  # older trace rows are deleted at start-up
     embed_threads: int = 1  # torch threads for query embeddings (one short query at a time)

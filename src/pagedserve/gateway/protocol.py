@@ -1,16 +1,23 @@
 """What the gateway reads from a request body. Unknown fields pass through to the provider, which
 validates them; the gateway's own extensions (route, sources, cache) are removed before forwarding.
+
+The gateway also bounds what a request can cost before it is sent (prompt_bound, completion_bound): budgets
+and token limits reserve that worst case, so it must be a bound the provider's real usage cannot pass.
 """
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from pagedserve.gateway.errors import APIError
 
 EXTENSION_FIELDS = ("route", "sources", "cache")
+MAX_DEPTH = 64  # JSON nesting: tool schemas nest a dozen levels; 100,000 would overflow the parser's stack
+MAX_TOKENS = 1 << 24  # above any model's context: larger values are mistakes, and would overflow int64 nanodollars
+PROMPT_OVERHEAD = 64  # tokens a chat template may add beyond the body (role markers, a default system prompt)
+SourceName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\w.:/-]+$")]
 
 
 class Message(BaseModel):
@@ -23,17 +30,29 @@ class Message(BaseModel):
             return "".join(str(part.get("text", "")) for part in self.content)
         return self.content or ""
 
+    @property
+    def text_only(self) -> bool:
+        """False when a content part is not text (an image, audio): the cache cannot tell two of them apart."""
+        return not isinstance(self.content, list) or all(p.get("type", "text") == "text" for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None
+
 
 class GatewayRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=64)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     route: Literal["small", "large"] | None = Field(None, description="pin the difficulty tier")
-    sources: list[str] = Field(default_factory=list, description="knowledge sources the answer depends on")
+    sources: list[SourceName] = Field(default_factory=list, max_length=32,
+                                      description="knowledge sources the answer depends on")
     cache: bool = Field(True, description="false: neither read nor write the semantic cache")
 
     @property
@@ -41,55 +60,115 @@ class GatewayRequest(BaseModel):
         return self.temperature == 0 and self.n == 1
 
     def completion_limit(self, default: int) -> int:
+        """Tokens one choice may produce: what the request says, else `default` (which is then forwarded)."""
         return self.max_completion_tokens or self.max_tokens or default
+
+    def completion_bound(self, default: int) -> int:
+        """Completion tokens the whole request may produce: every choice of every prompt."""
+        return self.completion_limit(default) * self.n
 
 
 class ChatRequest(GatewayRequest):
     messages: list[Message] = Field(min_length=1)
 
     def query(self) -> tuple[str | None, list]:
-        """The last user message (what the semantic cache matches) and everything before it."""
+        """The last user message (what the semantic cache matches) and the rest of the conversation around
+        it, trailing turns included: two requests may share an answer only if all of that is equal."""
         for i in range(len(self.messages) - 1, -1, -1):
             if self.messages[i].role == "user":
-                context = [m.model_dump(exclude_none=True) for m in self.messages[:i]]
-                return self.messages[i].text(), context
+                dumped = [m.model_dump(exclude_none=True) for m in self.messages]
+                dumped[i].pop("content", None)  # the query's own text is matched by similarity
+                return self.messages[i].text(), dumped
         return None, []
 
-    def prompt_chars(self) -> int:
-        return sum(len(m.text()) + 16 for m in self.messages)
+    @property
+    def text_only(self) -> bool:
+        return all(m.text_only for m in self.messages)
+
+    def prompt_bound(self) -> int:
+        """Prompt tokens cannot exceed the UTF-8 bytes of what reaches the template (a token is at least one
+        byte) plus the template's own overhead; tools and functions are part of the prompt too."""
+        extra = self.model_extra or {}
+        parts = [m.model_dump(exclude_none=True) for m in self.messages] + [extra.get("tools"), extra.get("functions")]
+        return _utf8_bytes(parts) + PROMPT_OVERHEAD
 
 
 class CompletionRequest(GatewayRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = Field(None, ge=1, le=64)
 
     def completion_limit(self, default: int) -> int:
         return self.max_tokens or 16  # OpenAI's default for completions
 
+    def completion_bound(self, default: int) -> int:
+        prompts = len(self.prompt) if isinstance(self.prompt, list) and self.prompt and not isinstance(
+            self.prompt[0], int) else 1
+        return self.completion_limit(default) * max(self.n, self.best_of or 1) * prompts
+
     def query(self) -> tuple[str | None, list]:
         return (self.prompt, []) if isinstance(self.prompt, str) else (None, [])
 
-    def prompt_chars(self) -> int:
-        return len(self.prompt) if isinstance(self.prompt, str) else len(json.dumps(self.prompt))
+    @property
+    def text_only(self) -> bool:
+        return True
+
+    def prompt_bound(self) -> int:
+        """Token ids count as themselves, text as its UTF-8 bytes; `suffix` is prompt too."""
+        prompts = [self.prompt] if isinstance(self.prompt, str) or not self.prompt or isinstance(
+            self.prompt[0], int) else self.prompt
+        total = sum(len(p) if isinstance(p, list) else len(p.encode()) for p in prompts)
+        suffix = (self.model_extra or {}).get("suffix")
+        return total + (_utf8_bytes(suffix) if suffix else 0) + PROMPT_OVERHEAD * len(prompts)
+
+
+def _utf8_bytes(value) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def too_deep(value, limit: int = MAX_DEPTH) -> bool:
+    """Whether JSON nests deeper than `limit` (iterative: a deep value must not exhaust the stack here)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return False
+
+
+def load_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object; APIError(400) for anything else (bad UTF-8, too deep, not an object)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise APIError(400, "request body is not valid JSON (or nests too deeply)", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    if too_deep(body):
+        raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+    return body
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A pydantic error as OpenAI's 400, naming the first offending parameter."""
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err.get("loc", ())) or None
+    message = err.get("msg", "invalid request").removeprefix("Value error, ")
+    if err.get("type") == "missing":
+        message = f"'{param}' is a required property"
+    return APIError(400, f"{message} (parameter '{param}')" if param else message, param=param, code="invalid_value")
 
 
 def parse_request(raw: bytes, kind: str) -> tuple[GatewayRequest, dict]:
     """The validated request and the body to forward; APIError(400) says what is wrong."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    body = load_json_object(raw)
     model = ChatRequest if kind == "chat" else CompletionRequest
     try:
         request = model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        message = err.get("msg", "invalid request").removeprefix("Value error, ")
-        if err.get("type") == "missing":
-            message = f"'{param}' is a required property"
-        raise APIError(400, f"{message} (parameter '{param}')" if param else message, param=param,
-                       code="invalid_value") from None
+        raise validation_error(e) from None
     forward = {k: v for k, v in body.items() if k not in EXTENSION_FIELDS}
     return request, forward

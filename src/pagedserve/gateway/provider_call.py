@@ -46,12 +46,17 @@ async def outcome(call: Call, pending: Awaitable[CallResult | StreamResult]) -> 
 
 
 def provider_error(e: UpstreamRejected | AllProvidersFailed) -> APIError:
-    if isinstance(e, UpstreamRejected):
+    if isinstance(e, UpstreamRejected):  # passed on in OpenAI's shape, whatever shape the provider used
         err = e.body.get("error") if isinstance(e.body.get("error"), dict) else {"message": str(e.body)}
-        return APIError(e.status, str(err.get("message")), code=err.get("code"), param=err.get("param"),
-                        kind=err.get("type"))
+        code, param, kind = (_text(err.get(f)) for f in ("code", "param", "type"))
+        return APIError(e.status, _text(err.get("message")) or f"the provider answered {e.status}", code=code,
+                        param=param, kind=kind)
     tried = any(a.status != "circuit_open" for a in e.attempts)
     return APIError(502 if tried else 503, str(e), code="providers_failed" if tried else "providers_unavailable")
+
+
+def _text(value) -> str | None:
+    return None if value is None else value if isinstance(value, str) else json.dumps(value)
 
 
 async def relay(call: Call, target: Target, events: AsyncIterator[str],
@@ -64,6 +69,8 @@ async def relay(call: Call, target: Target, events: AsyncIterator[str],
     try:
         async for data in events:
             event = json.loads(data)
+            if not isinstance(event, dict):
+                raise StreamFailed(f"a stream event that is not a JSON object: {data[:100]!r}")
             if "error" in event:
                 err = event["error"]
                 status, error = 502, str(err.get("message") if isinstance(err, dict) else err)

@@ -264,8 +264,9 @@ def _json_or_raise(status: int, raw: bytes) -> dict:
         body = None
     if status in RETRYABLE or status >= 500:
         raise _Retryable(str(status), raw[:300].decode(errors="replace"))
-    if status >= 400:
-        raise UpstreamRejected(status, body if isinstance(body, dict) else {"error": {"message": raw.decode()}}, [])
+    if status >= 400:  # the body may be anything, even bytes that are not UTF-8
+        message = raw[:1000].decode(errors="replace") or f"the provider answered {status}"
+        raise UpstreamRejected(status, body if isinstance(body, dict) else {"error": {"message": message}}, [])
     if not isinstance(body, dict):
         raise _Retryable("bad_response", f"not a JSON object: {raw[:200]!r}")
     return body
@@ -279,7 +280,7 @@ async def _sse_events(response: aiohttp.ClientResponse, deadline: float) -> Asyn
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("the stream did not finish within the provider's timeout")
-            line = (await asyncio.wait_for(response.content.readline(), remaining)).decode()
+            line = (await asyncio.wait_for(response.content.readline(), remaining)).decode(errors="replace")
             if not line:
                 raise _Retryable("stream_error", "the stream ended without [DONE]")
             if not line.startswith("data:"):

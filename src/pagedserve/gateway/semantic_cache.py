@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import sqlite3
 import threading
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+
+from pagedserve.gateway.near_miss import compatible
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (entry_id INTEGER PRIMARY KEY, scope TEXT NOT NULL, query TEXT NOT NULL,
@@ -32,16 +33,8 @@ SCOPE_FREE_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completio
                      "stream_options", "user", "route", "sources", "cache"}
 
 
-NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
-
-
 def normalise(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).lower().split())
-
-
-def same_numbers(a: str, b: str) -> bool:
-    """Embeddings barely see digits ("what is 1 minus 8" ~ "what is 5 minus 12"): numbers must match exactly."""
-    return NUMBER.findall(a) == NUMBER.findall(b)
 
 
 def scope_key(tenant: str, route: str, body: dict, context: list) -> str:
@@ -139,8 +132,8 @@ class SemanticCache:
 
     def search(self, scope: str, vector: np.ndarray, max_tokens: int | None,
                query: str | None = None) -> tuple[CacheEntry | None, float]:
-        """The nearest live entry of the scope that fits the request (and, given the query, has the same
-        numbers in it), and its cosine similarity."""
+        """The nearest live entry of the scope that fits the request (and, given the query, passes the
+        near-miss guard: same polarity, numbers and named entities), and its cosine similarity."""
         with self.lock:
             s = self.scopes.get(scope)
             if s is None or len(s.dead) == len(s.entry_ids):
@@ -150,7 +143,8 @@ class SemanticCache:
                     if pos >= 0 and pos not in s.dead]
         for sim, entry_id in sorted(hits, reverse=True):
             entry = self.get(entry_id)
-            if entry is not None and entry.fits(max_tokens) and (query is None or same_numbers(query, entry.query)):
+            # Embeddings barely see a digit, a negation or a country: the guard compares those exactly.
+            if entry is not None and entry.fits(max_tokens) and (query is None or compatible(query, entry.query)):
                 return entry, sim
         return None, 0.0
 

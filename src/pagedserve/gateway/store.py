@@ -42,12 +42,18 @@ class TakeResult:
 @dataclass(slots=True)
 class ReserveResult:
     allowed: bool
-    spent: list[int]  # nanodollars spent per scope before this reservation
+    spent: list[int]  # nanodollars actually spent per scope before this reservation
+    held: list[int]  # nanodollars reserved per scope by requests still in flight
     failed_index: int | None = None  # the scope whose limit would be crossed
 
 
+MAX_NANO = 10**15  # $1M: any one amount is clamped here, so sums of them stay far inside int64
+
+
 def to_nano(dollars: float) -> int:
-    return round(dollars * NANO)
+    """Dollars as integer nanodollars; an absurd estimate (10^17 tokens, inf) saturates instead of overflowing."""
+    nanos = dollars * NANO
+    return MAX_NANO if not nanos < MAX_NANO else max(round(nanos), -MAX_NANO)
 
 
 def next_version(current: str | None) -> str:
@@ -78,6 +84,9 @@ class SQLiteStore:
 
     async def close(self) -> None:
         self.db.close()
+
+    async def persistence_warning(self) -> str | None:
+        return None  # WAL on disk
 
     async def put_key(self, key: ApiKey) -> None:
         self._txn(lambda db: db.execute(
@@ -135,16 +144,25 @@ class SQLiteStore:
         return min(bucket.capacity, row[0] + max(0.0, now - row[1]) * bucket.rate)
 
     async def reserve(self, day: str, scopes: list[str], limits: list[int | None], amount: int) -> ReserveResult:
-        """Adds `amount` to every scope's spend for `day` unless that would cross one of the limits."""
+        """Holds `amount` for every scope on `day` unless spend + holds + amount would cross one of the limits."""
         def reserve(db: sqlite3.Connection) -> ReserveResult:
             spent = [self._spent(db, day, s) for s in scopes]
-            for i, (s, limit) in enumerate(zip(spent, limits)):
-                if limit is not None and s + amount > limit:
-                    return ReserveResult(False, spent, i)
+            held = [self._spent(db, day, s, "holds") for s in scopes]
+            for i, (s, h, limit) in enumerate(zip(spent, held, limits)):
+                if limit is not None and s + h + amount > limit:
+                    return ReserveResult(False, spent, held, i)
             for scope in scopes:
-                self._add(db, day, scope, amount)
-            return ReserveResult(True, spent)
+                self._add(db, day, scope, amount, "holds")
+            return ReserveResult(True, spent, held)
         return self._txn(reserve)
+
+    async def settle(self, day: str, scopes: list[str], reserved: int, actual: int) -> None:
+        """Releases a hold and records what the request really cost, in one transaction."""
+        def settle(db: sqlite3.Connection) -> None:
+            for scope in scopes:
+                self._add(db, day, scope, -reserved, "holds")
+                self._add(db, day, scope, actual)
+        self._txn(settle)
 
     async def add_spend(self, day: str, scopes: list[str], amount: int) -> None:
         self._txn(lambda db: [self._add(db, day, s, amount) for s in scopes])
@@ -156,14 +174,14 @@ class SQLiteStore:
             return [tuple(r) for r in self.db.execute(sql, (day,) if day else ()).fetchall()]
 
     @staticmethod
-    def _spent(db: sqlite3.Connection, day: str, scope: str) -> int:
-        row = db.execute("SELECT nanos FROM spend WHERE day = ? AND scope = ?", (day, scope)).fetchone()
+    def _spent(db: sqlite3.Connection, day: str, scope: str, table: str = "spend") -> int:
+        row = db.execute(f"SELECT nanos FROM {table} WHERE day = ? AND scope = ?", (day, scope)).fetchone()
         return row[0] if row else 0
 
     @staticmethod
-    def _add(db: sqlite3.Connection, day: str, scope: str, amount: int) -> None:
-        db.execute("INSERT INTO spend(day, scope, nanos) VALUES (?, ?, ?) "
-                    "ON CONFLICT(day, scope) DO UPDATE SET nanos = nanos + excluded.nanos", (day, scope, amount))
+    def _add(db: sqlite3.Connection, day: str, scope: str, amount: int, table: str = "spend") -> None:
+        db.execute(f"INSERT INTO {table}(day, scope, nanos) VALUES (?, ?, ?) "
+                   "ON CONFLICT(day, scope) DO UPDATE SET nanos = nanos + excluded.nanos", (day, scope, amount))
 
     async def source_versions(self, names: list[str]) -> dict[str, str]:
         with self.lock:
@@ -189,6 +207,8 @@ SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (key_id TEXT PRIMARY KEY, key_hash TEXT UNIQUE NOT NULL, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS buckets (name TEXT PRIMARY KEY, level REAL NOT NULL, ts REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS spend (day TEXT NOT NULL, scope TEXT NOT NULL, nanos INTEGER NOT NULL,
+                                  PRIMARY KEY (day, scope));
+CREATE TABLE IF NOT EXISTS holds (day TEXT NOT NULL, scope TEXT NOT NULL, nanos INTEGER NOT NULL,
                                   PRIMARY KEY (day, scope));
 CREATE TABLE IF NOT EXISTS sources (name TEXT PRIMARY KEY, version TEXT NOT NULL, updated_at REAL NOT NULL);
 """
@@ -230,20 +250,23 @@ redis.call('EXPIRE', KEYS[1], math.ceil((cap - level) / rate) + 60)
 return tostring(level)
 """
 
-# KEYS[1]: the day's spend hash. ARGV: amount, ttl, then scope and limit pairs (limit -1: none).
+# KEYS: the day's spend hash, its holds hash. ARGV: amount, ttl, then scope and limit pairs (limit -1: none).
+# Returns {allowed, failed index, spent..., held...}; the stored strings go back untouched (Lua's tostring
+# would print a large integer as 1e+15).
 RESERVE_LUA = """
 local amount = tonumber(ARGV[1])
-local spent = {}
+local spent, held, failed = {}, {}, -1
 for i = 3, #ARGV, 2 do
-  local s = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
-  spent[#spent + 1] = tostring(s)
+  local s = redis.call('HGET', KEYS[1], ARGV[i]) or '0'
+  local h = redis.call('HGET', KEYS[2], ARGV[i]) or '0'
+  spent[#spent + 1], held[#held + 1] = s, h
   local limit = tonumber(ARGV[i + 1])
-  if limit >= 0 and s + amount > limit then
-    return {0, (i - 3) / 2, unpack(spent)}
-  end
+  if failed < 0 and limit >= 0 and tonumber(s) + tonumber(h) + amount > limit then failed = (i - 3) / 2 end
 end
-for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[1]) end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
+for _, h in ipairs(held) do spent[#spent + 1] = h end
+if failed >= 0 then return {0, failed, unpack(spent)} end
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[1]) end
+redis.call('EXPIRE', KEYS[2], 2 * 86400)
 return {1, 0, unpack(spent)}
 """
 
@@ -265,8 +288,14 @@ class RedisStore:
 
     def __init__(self, url: str, prefix: str = "pagedserve:gw:"):
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError, TimeoutError
 
-        self.redis = aioredis.from_url(url, decode_responses=True)
+        # A pooled connection goes stale when Redis restarts: the first command on it fails. One retry on a
+        # fresh connection rides over that; a Redis that is really down still fails closed (503) at once.
+        self.redis = aioredis.from_url(url, decode_responses=True, retry=Retry(NoBackoff(), 1),
+                                       retry_on_error=[ConnectionError, TimeoutError])
         self.p = prefix
         self._take = self.redis.register_script(TAKE_LUA)
         self._give_back = self.redis.register_script(GIVE_BACK_LUA)
@@ -275,6 +304,20 @@ class RedisStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+    async def persistence_warning(self) -> str | None:
+        """What is lost if this Redis restarts: without RDB snapshots or an AOF, every key and all spend."""
+        from redis.exceptions import ResponseError
+
+        try:
+            save = (await self.redis.config_get("save")).get("save", "")
+            aof = (await self.redis.config_get("appendonly")).get("appendonly", "no")
+        except ResponseError as e:  # managed Redis often disables CONFIG
+            return f"could not check the shared Redis store's persistence ({e}); make sure it has RDB or AOF on"
+        if not save.strip() and aof != "yes":
+            return ("the shared Redis store has no persistence (save \"\", appendonly no): a restart of Redis "
+                    "loses every API key, rate-limit bucket and day's spend; enable AOF (appendonly yes) or RDB")
+        return None
 
     async def put_key(self, key: ApiKey) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -312,11 +355,20 @@ class RedisStore:
         args = [amount, self.SPEND_TTL_S]
         for scope, limit in zip(scopes, limits):
             args += [scope, -1 if limit is None else limit]
-        out = await self._reserve(keys=[self.p + "spend:" + day], args=args)
-        spent = [int(x) for x in out[2:]]
+        out = await self._reserve(keys=[self.p + "spend:" + day, self.p + "held:" + day], args=args)
+        values = [int(x) for x in out[2:]]
+        spent, held = values[:len(scopes)], values[len(scopes):]
         if int(out[0]):
-            return ReserveResult(True, spent)
-        return ReserveResult(False, spent, int(out[1]))
+            return ReserveResult(True, spent, held)
+        return ReserveResult(False, spent, held, int(out[1]))
+
+    async def settle(self, day: str, scopes: list[str], reserved: int, actual: int) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for scope in scopes:
+                pipe.hincrby(self.p + "held:" + day, scope, -reserved)
+                pipe.hincrby(self.p + "spend:" + day, scope, actual)
+            pipe.expire(self.p + "spend:" + day, self.SPEND_TTL_S)
+            await pipe.execute()
 
     async def add_spend(self, day: str, scopes: list[str], amount: int) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:

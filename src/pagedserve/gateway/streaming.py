@@ -56,14 +56,20 @@ class StreamAssembler:
     chunks: int = 0
 
     def add(self, event: dict) -> None:
+        """Raises ValueError for an event not shaped like OpenAI's (the relay ends the stream with an error)."""
         self.model = event.get("model", self.model)
         if event.get("usage"):
             self.usage = event["usage"]
-        for choice in event.get("choices") or []:
+        choices = event.get("choices") or []
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise ValueError(f"malformed choices in a stream event: {str(choices)[:100]}")
+        for choice in choices:
             self.chunks += 1
-            piece = (choice.get("delta") or {}).get("content") if self.kind == "chat" else choice.get("text")
-            self.parts.append(piece or "")
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            delta = choice.get("delta") if self.kind == "chat" else choice
+            piece = delta.get("content" if self.kind == "chat" else "text") if isinstance(delta, dict) else None
+            self.parts.append(piece if isinstance(piece, str) else "")
+            finish = choice.get("finish_reason")
+            self.finish_reason = finish if isinstance(finish, str) else self.finish_reason
 
     def body(self) -> dict:
         text = "".join(self.parts)

@@ -36,6 +36,7 @@ class Trace:
     sources: dict[str, str] = field(default_factory=dict)  # versions the answer depends on
     budget_spent_usd: float | None = None  # the user's spend today before this request
     budget_limit_usd: float | None = None
+    budget_note: str | None = None  # usage that passed its reservation, or was not reported
     attempts: list[dict] = field(default_factory=list)
     # used | cancelled (why) | discarded (why: it had already answered); why: cache hit, small/large tier, error.
     speculative: str | None = None  # None: no speculative call
