@@ -76,12 +76,13 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def redis_server(log_dir: Path) -> tuple[Process, str]:
-    """Debian's redis-server on a free loopback port, without persistence."""
+def redis_server(log_dir: Path, port: int | None = None, aof_dir: Path | None = None) -> tuple[Process, str]:
+    """Debian's redis-server on a free loopback port, without persistence unless `aof_dir` is given (an
+    append-only file there, so a restart on the same port keeps the data)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed: apt-get install redis-server (make install does it)")
-    port = free_port()
+    port = port or free_port()
     import redis
 
     client = redis.Redis(port=port, socket_connect_timeout=0.5)
@@ -91,7 +92,8 @@ def redis_server(log_dir: Path) -> tuple[Process, str]:
             return bool(client.ping())
         except redis.RedisError:
             return False
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    persistence = ["--appendonly", "yes", "--dir", str(aof_dir)] if aof_dir else ["--appendonly", "no"]
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence]
     return Process(f"redis-{port}", command, log_dir, up, timeout=20), f"redis://127.0.0.1:{port}/0"
 
 
@@ -138,3 +140,15 @@ def start_all(stack, *processes: Process) -> None:
         p.start()
     for p in processes:
         p.wait_ready()
+
+
+def stub_provider(name: str, log_dir: Path) -> tuple[Process, str]:
+    """The stand-in provider of gateway_stub_provider.py (not pagedserve: for behaviours a real one lacks)."""
+    port = free_port()
+    command = [sys.executable, str(TESTS / "gateway_stub_provider.py"), "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    return Process(name, command, log_dir, lambda: http_ok(url + "/_mode"), timeout=60), url
+
+
+def set_stub_mode(url: str, mode: str) -> None:
+    httpx.post(url + "/_mode", json={"mode": mode}, timeout=5).raise_for_status()

@@ -1,20 +1,28 @@
 """The admin API (/admin/...): keys, knowledge-source versions, usage, traces and provider status, all behind
-the gateway's admin key."""
+the gateway's admin key. Bodies and parameters are validated by admin_models.py (400 in OpenAI's shape)."""
 from __future__ import annotations
 
-import json
+import re
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
 
+from pagedserve.gateway.admin_models import KeyCreate, SourceBump
 from pagedserve.gateway.admission import read_body
 from pagedserve.gateway.auth import bearer_token, is_admin, mint_key
 from pagedserve.gateway.budget import BudgetKeeper
 from pagedserve.gateway.errors import APIError
 from pagedserve.gateway.gateway_config import GatewayConfig
+from pagedserve.gateway.protocol import load_json_object, validation_error
 from pagedserve.gateway.store import Store
 from pagedserve.gateway.tracing import TraceSink
+
+M = TypeVar("M", bound=BaseModel)
+SOURCE = re.compile(r"[\w.:/-]{1,128}")
+DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 def add_admin_routes(app: FastAPI, config: GatewayConfig, store: Store, budgets: BudgetKeeper, traces: TraceSink,
@@ -23,29 +31,18 @@ def add_admin_routes(app: FastAPI, config: GatewayConfig, store: Store, budgets:
         if not is_admin(bearer_token(request.headers.get("authorization")), config.admin_key):
             raise APIError(401, "this endpoint needs the gateway's admin key", code="invalid_admin_key")
 
-    async def json_body(request: Request) -> dict:
+    async def body_as(request: Request, model: type[M]) -> M:
+        raw = await read_body(request, config.max_body_bytes)
         try:
-            data = json.loads(await read_body(request, config.max_body_bytes) or b"{}")
-        except ValueError:
-            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        return data
+            return model.model_validate(load_json_object(raw) if raw.strip() else {})
+        except ValidationError as e:
+            raise validation_error(e) from None
 
     @app.post("/admin/keys")
     async def create_key(request: Request) -> dict:
         admin(request)
-        data = await json_body(request)
-        if not isinstance(data.get("user"), str) or not data["user"]:
-            raise APIError(400, "'user' is a required property", param="user")
-        allowed = {"team", "models", "residency", "rpm", "tpm", "daily_budget_usd"}
-        unknown = set(data) - allowed - {"user"}
-        if unknown:
-            raise APIError(400, f"Unrecognized argument(s): {sorted(unknown)}", param=min(unknown))
-        try:
-            token, key = mint_key(data["user"], **{k: v for k, v in data.items() if k in allowed})
-        except TypeError as e:
-            raise APIError(400, str(e)) from None
+        fields = (await body_as(request, KeyCreate)).model_dump()
+        token, key = mint_key(fields.pop("user"), **fields)
         await store.put_key(key)
         return {"key": token, **key.public()}
 
@@ -64,8 +61,11 @@ def add_admin_routes(app: FastAPI, config: GatewayConfig, store: Store, budgets:
     @app.post("/admin/sources/{name}/bump")
     async def bump_source(name: str, request: Request) -> dict:
         admin(request)
-        version = (await json_body(request)).get("version")
-        return {"name": name, "version": await store.bump_source(name, str(version) if version else None)}
+        if not SOURCE.fullmatch(name):
+            raise APIError(400, "a source name is 1-128 letters, digits or . : / _ -", param="name",
+                           code="invalid_value")
+        version = (await body_as(request, SourceBump)).version
+        return {"name": name, "version": await store.bump_source(name, None if version is None else str(version))}
 
     @app.get("/admin/sources")
     async def list_sources(request: Request) -> dict:
@@ -75,6 +75,8 @@ def add_admin_routes(app: FastAPI, config: GatewayConfig, store: Store, budgets:
     @app.get("/admin/usage")
     async def show_usage(request: Request, day: str | None = None) -> dict:
         admin(request)
+        if day is not None and not DAY.fullmatch(day):
+            raise APIError(400, "day must be YYYY-MM-DD", param="day", code="invalid_value")
         return {"timezone": config.timezone, "today": budgets.day(), "data": await budgets.usage(day)}
 
     @app.get("/admin/traces")

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedserve.gateway.admin import add_admin_routes
+from pagedserve.gateway.admin_models import KeyCreate, SourceBump
 from pagedserve.gateway.admission import Admission
 from pagedserve.gateway.budget import BudgetKeeper
 from pagedserve.gateway.caching import CacheStage
@@ -24,6 +25,8 @@ from pagedserve.gateway.call import Call
 from pagedserve.gateway.errors import APIError, install_error_handlers
 from pagedserve.gateway.gateway_config import GatewayConfig, Target
 from pagedserve.gateway.limits import RateLimiter
+from pagedserve.gateway.openapi import install_openapi
+from pagedserve.gateway.protocol import ChatRequest, CompletionRequest
 from pagedserve.gateway.provider_call import outcome, relay, upstream
 from pagedserve.gateway.providers import CallResult, ProviderPool, StreamResult
 from pagedserve.gateway.query_vectors import QueryVectors
@@ -176,6 +179,9 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, **kwargs) 
     install_error_handlers(app)
     add_api_routes(app, gw)
     add_admin_routes(app, config, gw.store, gw.budgets, gw.traces, gw.status)
+    install_openapi(app, {("/v1/chat/completions", "post"): ChatRequest, ("/v1/completions", "post"): CompletionRequest,
+                          ("/admin/keys", "post"): KeyCreate, ("/admin/sources/{name}/bump", "post"): SourceBump},
+                    {"/v1/chat/completions", "/v1/completions"})
     return app
 
 

@@ -40,7 +40,7 @@ class ApiKey:
 
 
 def hash_key(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    return hashlib.sha256(token.encode(errors="surrogatepass")).hexdigest()
 
 
 def mint_key(user: str, **fields) -> tuple[str, ApiKey]:
@@ -58,4 +58,5 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 def is_admin(token: str | None, admin_key: str | None) -> bool:
-    return bool(token and admin_key and secrets.compare_digest(token, admin_key))
+    """Constant-time comparison of bytes: compare_digest refuses str with non-ASCII characters."""
+    return bool(token and admin_key and secrets.compare_digest(token.encode(), admin_key.encode()))

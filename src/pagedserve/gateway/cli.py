@@ -31,11 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     keys = gsub.add_parser("keys", help="create, revoke or list API keys").add_subparsers(dest="keys", required=True)
     create = keys.add_parser("create", parents=[common], help="mint a key (the secret is printed once)")
     create.add_argument("--user", required=True, help="the user the key belongs to (per-user budgets)")
-    create.add_argument("--team", default="default", help="team: the semantic cache's tenant scope")
+    create.add_argument("--team", default=None, help="team: the semantic cache's tenant scope (default: none, "
+                        "so the key's cached answers are shared with its own user only)")
     create.add_argument("--models", default="", help="comma-separated routes the key may use (default: all)")
     create.add_argument("--residency", default=None, help="data residency tag passed to the router, e.g. eu")
-    create.add_argument("--rpm", type=int, default=None, help="requests per minute")
-    create.add_argument("--tpm", type=int, default=None, help="tokens per minute (prompt + max completion)")
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute, >= 1 (default: key_defaults)")
+    create.add_argument("--tpm", type=int, default=None, help="tokens per minute (prompt bound + max completion), "
+                        ">= 1 (default: key_defaults)")
     create.add_argument("--daily-budget", type=float, default=None, help="daily budget of this key in USD")
     create.set_defaults(func=_keys_create)
     revoke = keys.add_parser("revoke", parents=[common], help="revoke a key by its id")
@@ -117,10 +119,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _keys_create(args: argparse.Namespace) -> int:
-    from pagedserve.gateway.auth import mint_key
+    from pydantic import ValidationError
 
-    token, key = mint_key(args.user, team=args.team, models=[m for m in args.models.split(",") if m],
-                          residency=args.residency, rpm=args.rpm, tpm=args.tpm, daily_budget_usd=args.daily_budget)
+    from pagedserve.gateway.admin_models import KeyCreate
+    from pagedserve.gateway.auth import mint_key
+    from pagedserve.gateway.protocol import validation_error
+
+    try:  # the same checks as POST /admin/keys
+        fields = KeyCreate.model_validate({
+            "user": args.user, "team": args.team, "models": [m for m in args.models.split(",") if m],
+            "residency": args.residency, "rpm": args.rpm, "tpm": args.tpm, "daily_budget_usd": args.daily_budget,
+        }).model_dump()
+    except ValidationError as e:
+        raise SystemExit(f"gateway keys create: {validation_error(e).message}") from None
+    token, key = mint_key(fields.pop("user"), **fields)
 
     async def action(store, _) -> int:
         await store.put_key(key)

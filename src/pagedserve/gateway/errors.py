@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,6 +42,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = (exc.errors() or [{}])[0]
+        param = str(err.get("loc", ("", ""))[-1]) or None
+        return APIError(400, f"{err.get('msg', 'invalid parameter')} (parameter '{param}')", param=param,
+                        code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -189,6 +189,11 @@ class GatewayConfig:
         if not self.routes:
             raise ValueError("gateway config: define at least one route")
         ZoneInfo(self.timezone)  # raises for an unknown zone
+        d = self.key_defaults
+        for name, value in (("rpm", d.rpm), ("tpm", d.tpm), ("daily_budget_usd", d.daily_budget_usd)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+                                      or (value == 0 and name != "daily_budget_usd")):
+                raise ValueError(f"key_defaults.{name} must be a positive number or absent (unlimited), not {value!r}")
         for route in self.routes.values():
             for target in route.small + route.large:
                 provider = self.providers.get(target.provider)

@@ -42,7 +42,7 @@ class StreamOptions(BaseModel):
 
 
 class GatewayRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # "10" is not a max_tokens: the schema says integer
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
