@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedserve.bench.serve import default_gguf
+from pagedserve.bench.servers import default_gguf
 
 
 def export(out: Path) -> Path:

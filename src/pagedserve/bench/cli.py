@@ -1,11 +1,15 @@
-"""`pagedserve bench BENCHMARK`: one subcommand per module of this package, each with add_arguments(parser)
-and run_args(args). benchmarks/BENCHMARK.py calls main(BENCHMARK) to run the same thing as a script."""
+"""`pagedserve bench BENCHMARK`: one subcommand per module of this package, each with add_arguments(parser),
+run_args(args) and QUICK (its flags for a run at a small scale). benchmarks/BENCHMARK.py calls
+main(BENCHMARK) to run the same thing as a script; `pagedserve bench all [--quick]` runs every one."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 BENCHMARKS = {
     "throughput": "offline throughput: W1, MIX, PREFIX, single stream vs transformers",
@@ -30,6 +34,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for name, help_line in BENCHMARKS.items():
         configure(bench_sub.add_parser(name, help=help_line), name)
+    every = bench_sub.add_parser("all", help="every benchmark in turn (--quick: each at a small scale, minutes)",
+                                 description="Runs every benchmark with its own defaults, or with --quick at a small "
+                                             "scale that checks each one works end to end in a few minutes.")
+    every.add_argument("--quick", action="store_true",
+                       help="small scale; results go to --docs (default: a temporary folder), not docs/")
+    every.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset")
+    every.add_argument("--docs", type=Path, default=None, help="where benchmarks.md goes")
+    every.set_defaults(func=run_all)
+
+
+def run_all(args: argparse.Namespace) -> int:
+    """Each benchmark parsed by its own parser (so a flag it refuses fails here too); the failures counted."""
+    docs = args.docs or (Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) if args.quick else None)
+    failed = []
+    for name in args.only.split(","):
+        module = importlib.import_module(f"pagedserve.bench.{name}")
+        argv = (list(module.QUICK) if args.quick else []) + (["--docs", str(docs)] if docs else [])
+        parsed = configure(argparse.ArgumentParser(prog=f"pagedserve bench {name}"), name).parse_args(argv)
+        print(f"== bench {name} {' '.join(argv)}", flush=True)
+        start = time.perf_counter()
+        code = int(parsed.func(parsed) or 0)
+        print(f"== bench {name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
+        if code:
+            failed.append(name)
+    print(f"bench all: {len(args.only.split(',')) - len(failed)} passed, {len(failed)} failed"
+          + (f" ({', '.join(failed)})" if failed else "") + (f"; results in {docs}" if docs else ""))
+    return 1 if failed else 0
 
 
 def main(name: str, argv: list[str] | None = None) -> int:

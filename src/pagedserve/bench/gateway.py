@@ -18,7 +18,6 @@ import logging
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedserve.bench.report import command_line, replace_section
+from pagedserve.bench.report import REPO, command_line, replace_section
+from pagedserve.bench.servers import free_port
 
 SECTION = "## Gateway"
-REPO = Path(__file__).resolve().parents[3]
+
 SERVER_ARGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--max-model-len", "1024",
                "--embedding-model", "none", "--disable-access-log"]
 EMBED_NOTES = ["the gateway's: paid once per request (cache miss), shared with the classifier",
@@ -45,12 +45,6 @@ CONFIGURATIONS = [("full pipeline, speculative, simple question", True, True, SI
                   ("plumbing only (cache off, one tier)", False, False, SIMPLE)]
 VARIANTS = [lambda q: q, lambda q: q.lower().rstrip("?"), lambda q: "Quick question: " + q,
             lambda q: "Hi! " + q, lambda q: q.rstrip("?") + ", please?", lambda q: q + " Thanks!"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -299,6 +293,10 @@ def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) 
                "| 0.0% |")
     return "\n".join(out) + "\n"
 
+
+
+# `pagedserve bench all --quick`: every part of this benchmark, at a scale of seconds.
+QUICK = ["--requests", "10", "--entries", "2000", "--queries", "50", "--stream", "120", "--questions", "20", "--bump-every", "60"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -29,10 +29,10 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.bench.report import replace_section
+from pagedserve.bench.measure import spread
+from pagedserve.bench.report import REPO, replace_section
 from pagedserve.cluster.launcher import LocalCluster, free_port, wait_healthy
 
-REPO = Path(__file__).resolve().parents[3]
 SECTION = "## Routing policies (benchmarks/routing.py)"
 WORDS = ("account", "invoice", "refund", "shipping", "warranty", "policy", "customer", "order", "delivery", "return", "support", "agent", "product", "manual", "battery", "screen", "charger", "network", "router", "modem", "password", "login", "security", "privacy", "contract", "renewal", "discount", "premium", "basic", "plan", "upgrade", "downgrade", "billing", "cycle", "payment", "card", "bank", "transfer", "receipt", "tax", "region", "store", "opening", "hours", "holiday", "weekend", "schedule", "manager", "escalate", "ticket", "priority", "urgent", "normal", "low", "response", "time", "apology", "thanks", "greeting", "closing")
 
@@ -124,7 +124,7 @@ async def run_workload(router_url: str, model: str, prompts: list[str], args: ar
     return output_tokens
 
 
-def run_policy(policy: str, urls: list[str], model: str, args: argparse.Namespace) -> PolicyResult:
+def run_policy(policy: str, urls: list[str], model: str, args: argparse.Namespace, salt: str) -> PolicyResult:
     port = free_port()
     router_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "pagedserve.cli", "--log-level", "WARNING", "router", "--policy", policy,
@@ -133,7 +133,7 @@ def run_policy(policy: str, urls: list[str], model: str, args: argparse.Namespac
     try:
         wait_healthy(router_url, time.monotonic() + 60)
         rng = random.Random(args.seed)
-        prompts = [system_prompt(urls[0], t, policy, args.system_tokens, rng) for t in range(args.tenants)]
+        prompts = [system_prompt(urls[0], t, salt, args.system_tokens, rng) for t in range(args.tenants)]
         before = [counters(u) for u in urls]
         ttfts: list[float] = []
         start = time.perf_counter()
@@ -170,37 +170,52 @@ def calibrate(url: str, model: str, tokens: int) -> dict:
             "decode_s_per_token": max(long - warm, 1e-6) / 32, "measured": datetime.now(UTC).isoformat()}
 
 
-def report(results: list[PolicyResult], args: argparse.Namespace, calibration: dict, sim: str) -> str:
-    rows = [r.row() for r in results]
-    base = next((r for r in rows if r["policy"] == "round_robin"), rows[0])
+def report(results: dict[str, list[PolicyResult]], args: argparse.Namespace, calibration: dict, sim: str) -> str:
     lines = [SECTION, "",
              f"Command: `pagedserve bench routing {command_line(args)}`  ",
              (f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with other work, no GPU; "
-             f"{args.replicas} replicas of SmolLM2-135M-Instruct (1 thread, {args.kv_cache_memory} KV pool each); "
-             f"date {datetime.now(UTC):%Y-%m-%d}.  "),
+              f"{args.replicas} replicas of SmolLM2-135M-Instruct (1 thread each); date {datetime.now(UTC):%Y-%m-%d}.  "),
              (f"Workload: {args.tenants} tenants x {args.users} users x {args.turns} turns, "
-             f"~{args.system_tokens}-token system prompt per tenant, {args.max_tokens} output tokens per turn, "
-             f"{args.concurrency} concurrent conversations (closed loop)."), "",
-             ("| policy | requests | req/s | output tok/s | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | "
-             "requests per replica | throughput vs RR | hit rate vs RR |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['policy']} | {r['requests']} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
-                     f"{r['hit_rate']:.1%} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['per_replica']} | "
-                     f"{r['req_s'] / base['req_s']:.2f}x | "
-                     f"{(r['hit_rate'] / base['hit_rate']) if base['hit_rate'] else float('inf'):.1f}x |")
-    lines += ["", ("Hit rate: prompt tokens served from the replicas' prefix caches / prompt tokens looked up, "
-              "from the replicas' own /metrics. TTFT is client-side, through the router."), "",
+              f"~{args.system_tokens}-token system prompt per tenant, {args.max_tokens} output tokens per turn, "
+              f"{args.concurrency} concurrent conversations (closed loop). Every replica is warmed before the first "
+              f"policy; each policy gets tenant prompts of its own per round (no policy inherits another's cache); "
+              f"{args.repeats} rounds, the policy order reversed every round. Figures: median (min-max over "
+              f"the rounds)."), ""]
+    for pool, runs in results.items():
+        lines += [f"KV pool {pool} per replica:", "",
+                  ("| policy | requests | req/s | output tok/s | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | "
+                   "requests per replica (first round) | req/s vs RR | hit rate vs RR |"),
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        by_policy: dict[str, list[dict]] = {}
+        for run in runs:
+            by_policy.setdefault(run.policy, []).append(run.row())
+        med = {p: {k: statistics.median(r[k] for r in rows) for k in ("req_s", "hit_rate")} for p, rows in by_policy.items()}
+        base = med.get("round_robin", next(iter(med.values())))
+        for policy, rows in by_policy.items():
+            def col(key: str, fmt: str = "{:.2f}", rows: list[dict] = rows) -> str:
+                return spread([r[key] for r in rows], fmt)
+            hit_ratio = med[policy]["hit_rate"] / base["hit_rate"] if base["hit_rate"] else float("inf")
+            lines.append(f"| {policy} | {rows[0]['requests']} | {col('req_s')} | {col('tok_s', '{:.1f}')} | "
+                         f"{col('hit_rate', '{:.1%}')} | {col('ttft_p50')} | {col('ttft_p99')} | "
+                         f"{rows[0]['per_replica']} | {med[policy]['req_s'] / base['req_s']:.2f}x | {hit_ratio:.1f}x |")
+        lines.append("")
+    lines += [("Hit rate: prompt tokens served from the replicas' prefix caches / prompt tokens looked up, "
+               "from the replicas' own /metrics. TTFT is client-side, through the router."), "",
               (f"Calibration (one replica, others idle): prefill {calibration['prefill_s_per_token'] * 1e3:.2f} ms "
-              f"per uncached token, decode {calibration['decode_s_per_token'] * 1e3:.1f} ms per token, "
-              f"cached-prompt overhead {calibration['warm_s']:.2f} s."), "", sim]
+               f"per uncached token, decode {calibration['decode_s_per_token'] * 1e3:.1f} ms per token, "
+               f"cached-prompt overhead {calibration['warm_s']:.2f} s."), "", sim]
     return "\n".join(lines) + "\n"
 
 
 def command_line(args: argparse.Namespace) -> str:
-    flags = ("replicas", "tenants", "users", "turns", "system_tokens", "max_tokens", "concurrency", "kv_cache_memory")
+    flags = ("replicas", "tenants", "users", "turns", "system_tokens", "max_tokens", "concurrency", "kv_cache_memory",
+             "repeats")
     return " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in flags)
 
+
+
+# `pagedserve bench all --quick`: every part of this benchmark, at a scale of seconds.
+QUICK = ["--replicas", "2", "--kv-cache-memory", "64MiB", "--repeats", "1", "--tenants", "2", "--users", "1", "--turns", "2", "--system-tokens", "200", "--max-tokens", "4", "--concurrency", "2"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -212,8 +227,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-tokens", type=int, default=1000, help="system prompt length per tenant")
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per turn")
     p.add_argument("--concurrency", type=int, default=8, help="conversations in flight (closed loop)")
-    p.add_argument("--kv-cache-memory", default="128MiB",
-                   help="KV pool per replica: room for a few tenants' prompts, not for all of them")
+    p.add_argument("--kv-cache-memory", default="128MiB,512MiB",
+                   help="KV pool per replica, comma-separated, one run each. 128MiB holds a few tenants' prompts, "
+                        "not all: the regime where the choice of replica decides the hits. 512MiB is the server's "
+                        "default, where most of the working set fits whatever the policy")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds over the policies per pool size; the order reverses every round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--simulate", action="store_true",
                    help="only the simulation, printed (uses the calibration the last real run saved in --docs)")
@@ -230,17 +249,25 @@ def run_args(args: argparse.Namespace) -> int:
         calibration = json.loads(saved.read_text()) if saved.is_file() else DEFAULT_CALIBRATION
         print(simulation_report(calibration, args.seed))
         return 0
-    serve_args = ["--kv-cache-memory", args.kv_cache_memory, "--num-threads", "1", "--max-num-seqs", "16",
-                  "--max-model-len", "4096", "--embedding-model", "none", "--disable-access-log"]
-    with LocalCluster(args.replicas, serve_args) as cluster:
-        urls = cluster.urls()
-        model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
-        calibration = calibrate(urls[0], model, args.system_tokens)
-        print("calibration:", calibration, flush=True)
-        results = []
-        for policy in args.policies.split(","):
-            results.append(run_policy(policy, urls, model, args))
-            print(json.dumps(results[-1].row()), flush=True)
+    results: dict[str, list[PolicyResult]] = {}
+    calibration = None
+    for pool in args.kv_cache_memory.split(","):
+        serve_args = ["--kv-cache-memory", pool, "--num-threads", "1", "--max-num-seqs", "16",
+                      "--max-model-len", "4096", "--embedding-model", "none", "--disable-access-log"]
+        with LocalCluster(args.replicas, serve_args) as cluster:
+            urls = cluster.urls()
+            model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
+            for url in urls:  # every replica warm before the first policy, so none runs cold
+                calibrate(url, model, 64)
+            if calibration is None:
+                calibration = calibrate(urls[0], model, args.system_tokens)
+                print("calibration:", calibration, flush=True)
+            policies = args.policies.split(",")
+            for r in range(args.repeats):
+                for policy in policies if r % 2 == 0 else policies[::-1]:
+                    result = run_policy(policy, urls, model, args, salt=f"{policy}-{pool}-{r}")
+                    results.setdefault(pool, []).append(result)
+                    print(pool, json.dumps(result.row()), flush=True)
     (args.docs / "routing_calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
     sim = simulation_report(calibration, args.seed)
     section = report(results, args, calibration, sim)

