@@ -65,7 +65,7 @@ class Gateway:
         self.settlement = Settlement(config, self.budgets, limiter, self.traces)
         self._background: set[asyncio.Task] = set()
         log.info("gateway ready: routes %s, providers %s, store %s, cache %s, classifier %s", sorted(config.routes),
-                 sorted(config.providers), config.store, f"{len(cache)} entries" if cache else "off",
+                 sorted(config.providers), config.store, f"{len(cache)} entries" if cache is not None else "off",
                  "on" if classifier else "off")
 
     async def close(self) -> None:
