@@ -150,10 +150,10 @@ def test_hostile_input_gets_4xx_never_500(stack):
 
 
 def test_tpm_is_a_bound_on_real_tokens(stack):
-    body = chat([{"role": "user", "content": "Say hello."}], max_tokens=16)
-    assert post(stack, "/v1/chat/completions", body, "tight").status_code == 200
-    second = post(stack, "/v1/chat/completions", body, "tight")
-    assert_error(second, 429)  # the first request's worst case took most of the 200 tokens
+    body = chat([{"role": "user", "content": "Say hello."}], max_tokens=16, cache=False)
+    statuses = [post(stack, "/v1/chat/completions", body, "tight").status_code for _ in range(4)]
+    # Each request holds its worst case (~120 tokens) and hands back what it did not use: two fit in 200.
+    assert statuses[0] == 200 and 429 in statuses, statuses
     admin = {"authorization": f"Bearer {ADMIN}"}
     traces = httpx.get(stack["url"] + "/admin/traces", params={"key_id": stack["keys"]["tight"]["key_id"]},
                        headers=admin).json()["data"]
