@@ -1,9 +1,11 @@
-"""Shared pieces of the router tests: replica arguments, a router subprocess, replica counters, and a
+"""Shared pieces of the router tests: replica arguments, a router subprocess, replica counters, a
 fault-injecting TCP forwarder (network failure between router and replica, the one thing a test
-cannot get from a real process cheaply)."""
+cannot get from a real process cheaply), and a stand-in replica that answers 5xx / 429 or drops a
+connection on demand in front of a real one."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -170,3 +172,80 @@ class FaultProxy:
         self._loop.call_soon_threadsafe(self._server.close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+
+
+class StandInReplica:
+    """An in-process HTTP server in front of a real replica that forwards to it, except when told to
+    misbehave: a real `pagedserve serve` cannot be made to answer 500 (or 429, or drop a connection
+    after its headers) on demand, and the router's answer to exactly that is what these tests check.
+    `fault` applies to every proxied request: "500", "429", "503" or "drop"; a body containing POISON
+    is answered 500 always (a replica crashing on one bad request). `health_ok=False` fails /health."""
+
+    POISON = b"POISON"
+
+    def __init__(self, target_url: str) -> None:
+        import uvicorn
+
+        self.target_url = target_url
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.fault: str | None = None
+        self.health_ok = True
+        self.health_probes = 0
+        self.seen: dict[str, int] = {}  # what it did with proxied requests: "forwarded", "500", ...
+        config = uvicorn.Config(self._app, host="127.0.0.1", port=self.port, log_level="error",
+                                lifespan="off", interface="asgi3")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        wait_for(lambda: self._server.started, 10, "the stand-in replica to listen")
+
+    async def _app(self, scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"] == "/health":
+            self.health_probes += 1
+            if not self.health_ok:
+                return await _send(send, 503, b'{"status": "failing"}')
+        fault = "500" if self.POISON in body else self.fault if scope["method"] == "POST" else None
+        if fault:
+            self.seen[fault] = self.seen.get(fault, 0) + 1
+        if fault == "drop":  # headers out, then the connection breaks
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]})
+            raise ConnectionAbortedError("stand-in dropped the connection")
+        if fault:
+            error = {"error": {"message": f"stand-in fault {fault}", "type": "server_error", "param": None,
+                               "code": None}}
+            headers = [(b"retry-after", b"1")] if fault in ("429", "503") else []
+            return await _send(send, int(fault), json.dumps(error).encode(), headers)
+        if scope["method"] == "POST":
+            self.seen["forwarded"] = self.seen.get("forwarded", 0) + 1
+        await self._forward(scope, body, send)
+
+    async def _forward(self, scope, body: bytes, send) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            request = client.build_request(scope["method"], self.target_url + scope["path"], content=body,
+                                           headers={"content-type": "application/json"})
+            response = await client.send(request, stream=True)
+            headers = [(k.encode(), v.encode()) for k, v in response.headers.items()
+                       if k.lower() in ("content-type", "retry-after")]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            await response.aclose()
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+async def _send(send, status: int, body: bytes, headers: list | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})

@@ -5,6 +5,7 @@ what cannot be read as one value is refused with a 400."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
@@ -59,17 +60,17 @@ def residency(headers: Headers, name: str) -> frozenset[str]:
 
 
 def client_region(headers: Headers, name: str) -> str | None:
-    value = single(headers, name)
     try:
-        return None if value is None else parse_name(value)
+        return single(headers, name, parse_name)
     except ValueError as exc:
         raise Refusal(400, f"header {name}: {exc}", param=name, code="invalid_header") from None
 
 
-def single(headers: Headers, name: str) -> str | None:
-    """The one non-empty value of `name` (repeats of the same value are one), or None when absent or
-    empty; different values are refused rather than one picked."""
-    values = {v.strip(OPTIONAL_WHITESPACE) for v in headers.getlist(name)} - {""}
+def single(headers: Headers, name: str, normalize: Callable[[str], str] = str) -> str | None:
+    """The one non-empty value of `name` (repeats of the same normalized value are one), or None when
+    absent or empty; different values are refused rather than one picked."""
+    values = {normalize(v.strip(OPTIONAL_WHITESPACE)) for v in headers.getlist(name)
+              if v.strip(OPTIONAL_WHITESPACE)}
     if len(values) > 1:
         raise Refusal(400, f"header {name} has several values {sorted(values)}; send one",
                       param=name, code="invalid_header")

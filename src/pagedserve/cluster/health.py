@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 class HealthMonitor:
     def __init__(self, replicas: list[Replica], client: httpx.AsyncClient, *, interval_s: float,
                  timeout_s: float, unhealthy_threshold: int, healthy_threshold: int, passive_failures: int,
-                 on_eject: Callable[[Replica, str], None], on_readmit: Callable[[Replica], None]) -> None:
+                 on_eject: Callable[[Replica, str], None], on_readmit: Callable[[Replica], None],
+                 on_confirm: Callable[[Replica, bool], None] = lambda replica, ok: None) -> None:
         self.replicas = replicas
         self.client = client
         self.interval_s = interval_s
@@ -39,6 +40,7 @@ class HealthMonitor:
         self.passive_failures = passive_failures
         self.on_eject = on_eject
         self.on_readmit = on_readmit
+        self.on_confirm = on_confirm
         self._passive: dict[str, int] = {}
         self._confirming: dict[str, asyncio.Task] = {}
 
@@ -123,6 +125,7 @@ class HealthMonitor:
 
     async def _confirm(self, replica: Replica, reason: str) -> None:
         ok, probe_reason = await self._check(replica)
+        self.on_confirm(replica, ok)
         if not ok and replica.healthy:
             self.eject(replica, f"{reason}; then {probe_reason}", "confirmed")
 

@@ -22,6 +22,9 @@ class RouterMetrics:
                                      "replica failed mid-stream", ["replica"], registry=r)
         self.ejections = Counter(PREFIX + "ejections", "replicas taken out of rotation", ["replica", "source"],
                                  registry=r)
+        self.confirm_probes = Counter(PREFIX + "confirm_probes", "immediate /health probes after a 5xx answer or "
+                                      "a broken connection, by whether the replica answered (ok=false ejects)",
+                                      ["replica", "ok"], registry=r)
         self.readmissions = Counter(PREFIX + "readmissions", "replicas put back in rotation", ["replica"],
                                     registry=r)
         self.rejections = Counter(PREFIX + "rejections", "requests answered 503 because no allowed replica was "

@@ -47,7 +47,8 @@ class Router:
         self.health = HealthMonitor(
             self.replicas, client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
             unhealthy_threshold=config.unhealthy_threshold, healthy_threshold=config.healthy_threshold,
-            passive_failures=config.passive_failures, on_eject=self._ejected, on_readmit=self._readmitted)
+            passive_failures=config.passive_failures, on_eject=self._ejected, on_readmit=self._readmitted,
+            on_confirm=self._confirmed)
 
     def select(self, req: RoutingRequest, *, residency: frozenset[str] = frozenset(),
                client_region: str | None = None, model: str | None = None,
@@ -84,6 +85,9 @@ class Router:
     def _ejected(self, replica: Replica, source: str) -> None:
         self.metrics.ejections.labels(replica.name, source).inc()
         self.policy.forget(replica)
+
+    def _confirmed(self, replica: Replica, ok: bool) -> None:
+        self.metrics.confirm_probes.labels(replica.name, str(ok).lower()).inc()
 
     def _readmitted(self, replica: Replica) -> None:
         self.metrics.readmissions.labels(replica.name).inc()
