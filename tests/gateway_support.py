@@ -97,9 +97,10 @@ def redis_server(log_dir: Path, port: int | None = None, aof_dir: Path | None = 
     return Process(f"redis-{port}", command, log_dir, up, timeout=20), f"redis://127.0.0.1:{port}/0"
 
 
-def pagedserve_server(name: str, log_dir: Path) -> tuple[Process, str]:
+def pagedserve_server(name: str, log_dir: Path, extra: list[str] = ()) -> tuple[Process, str]:
+    """`pagedserve serve` with SERVER_ARGS; `extra` flags come last, so they override."""
     port = free_port()
-    command = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port), *SERVER_ARGS]
+    command = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port), *SERVER_ARGS, *extra]
     url = f"http://127.0.0.1:{port}"
     return Process(name, command, log_dir, lambda: http_ok(url + "/health"), timeout=180), url
 

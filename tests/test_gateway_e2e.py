@@ -485,11 +485,12 @@ def test_two_gateways_sharing_redis_enforce_one_limit_and_one_budget(upstreams, 
         assert statuses.count(200) == 4 and statuses.count(429) == 4  # one limit of 4, not 4 per instance
         assert all(1 <= r <= 15 for r in retry_after)
 
-        # One daily budget: ~$0.03 a request against $0.08, spent alternately through both instances.
+        # One daily budget: ~$0.03 a request (each holds its ~$0.1 worst case) against $0.2, spent alternately
+        # through both instances.
         cheap = json.loads(cli("gateway", "keys", "create", "--config", config_path, "--user", "bo", "--daily-budget",
-                               "0.08", "--store", redis_url))
+                               "0.2", "--store", redis_url))
         codes = []
-        for i in range(4):
+        for i in range(8):
             response = httpx.post((url_a, url_b)[i % 2] + "/v1/chat/completions", timeout=30,
                                   headers={"authorization": f"Bearer {cheap['key']}"},
                                   json={"model": "hr-assistant", "cache": False, "route": "large", "max_tokens": 1,
@@ -500,8 +501,8 @@ def test_two_gateways_sharing_redis_enforce_one_limit_and_one_budget(upstreams, 
         assert response.json()["error"]["type"] == "insufficient_quota"
         spend = {r["scope"]: r["spend_usd"] for r in admin_get(url_b, "/admin/usage")["data"]}
         costs = [t["cost_usd"] for u in (url_a, url_b) for t in admin_get(u, "/admin/traces?user=bo")["data"]]
-        # Settling real cost may pass the limit by at most one request's estimate error, never more.
-        assert spend["user:bo"] == pytest.approx(sum(costs)) and 0.04 < spend["user:bo"] < 0.08 + max(costs)
+        # Real cost is settled against a worst-case hold: the limit is never passed.
+        assert spend["user:bo"] == pytest.approx(sum(costs)) and 0.04 < spend["user:bo"] <= 0.2
 
         # A hung primary: each attempt is cut at its 1.5 s deadline, then the fallback answers.
         free = json.loads(cli("gateway", "keys", "create", "--config", config_path, "--user", "tim"))
