@@ -56,12 +56,16 @@ def prefix_key(endpoint: str, payload: dict):
 def routing_request(endpoint: str, payload: dict, session: str | None) -> RoutingRequest:
     key = prefix_key(endpoint, payload)
     prompt_tokens = len(key) // 4 + 1 if isinstance(key, str) else len(key)
-    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-        max_tokens = 16
+    max_tokens = _count(payload.get("max_completion_tokens") or payload.get("max_tokens"), 16)
+    samples = _count(payload.get("n"), 1) or 1
     session = session or payload.get("user")
     return RoutingRequest(prefix_key=key, session=str(session) if session else None,
-                          est_tokens=prompt_tokens + min(max(max_tokens, 0), MAX_TOKENS_ESTIMATE))
+                          est_tokens=prompt_tokens + min(max_tokens * samples, MAX_TOKENS_ESTIMATE))
+
+
+def _count(value, default: int) -> int:
+    """A client's count for the load estimate: the default unless an int, never below 0."""
+    return max(value, 0) if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def create_app(config: ClusterConfig) -> FastAPI:

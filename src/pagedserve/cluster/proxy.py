@@ -143,7 +143,7 @@ async def _attempt(router: Router, replica: Replica, fwd: Forward) -> Response |
                                                 headers=fwd.headers, timeout=timeout)
         upstream = await client.send(upstream_request, stream=True)
         try:
-            if upstream.status_code != 200 or not fwd.stream:
+            if upstream.status_code != 200 or not _is_event_stream(upstream):
                 content = await upstream.aread()
                 return _finish_plain(router, replica, fwd.endpoint, upstream, content)
             chunks = upstream.aiter_raw()
@@ -166,6 +166,11 @@ async def _attempt(router: Router, replica: Replica, fwd: Forward) -> Response |
     finally:
         if not handed_over:
             replica.finish_request(fwd.req.est_tokens)
+
+
+def _is_event_stream(upstream: httpx.Response) -> bool:
+    """Relayed chunk by chunk: the replica's own reading of `stream` decides, not the router's."""
+    return upstream.headers.get("content-type", "").startswith("text/event-stream")
 
 
 def _describe(exc: Exception) -> str:
