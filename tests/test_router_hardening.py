@@ -22,6 +22,7 @@ from router_support import (
     wait_for,
 )
 
+from pagedserve.cluster.cluster_config import ClusterConfig
 from pagedserve.cluster.launcher import LocalCluster
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -290,3 +291,12 @@ def test_body_limit_holds_while_reading(cluster, tmp_path):
 def _rss_bytes(pid: int) -> int:
     line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
+
+
+def test_config_residency_tags_are_names(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("replicas:\n  - {url: 'http://a', tags: EU}\n  - {url: 'http://b', tags: [gdpr]}\n")
+    assert [s.tags for s in ClusterConfig.from_yaml(path).finalize().replicas] == [("eu",), ("gdpr",)]
+    path.write_text("replicas:\n  - {url: 'http://a', tags: ['eu us']}\n")
+    with pytest.raises(ValueError, match="residency tag"):
+        ClusterConfig.from_yaml(path).finalize()

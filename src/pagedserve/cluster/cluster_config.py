@@ -72,7 +72,7 @@ class ClusterConfig:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
         replicas = [ReplicaSpec.parse(r) if isinstance(r, str) else
                     ReplicaSpec(url=r["url"].rstrip("/"), name=r.get("name", ""),
-                                region=r.get("region", "local"), tags=tuple(r.get("tags", ())))
+                                region=r.get("region", "local"), tags=_tags(r.get("tags", ())))
                     for r in data.pop("replicas", [])]
         return cls(replicas=replicas, **data)
 
@@ -90,6 +90,11 @@ class ClusterConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique: {names}")
         return self
+
+
+def _tags(value) -> tuple[str, ...]:
+    """`tags: eu` is one tag, not the tags 'e' and 'u'."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
