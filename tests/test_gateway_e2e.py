@@ -89,6 +89,9 @@ def upstreams(tmp_path_factory):
         proxy, proxy_url = fault_proxy("proxy", primary_url, tmp)
         stack.enter_context(proxy)
         model = httpx.get(fallback_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        warm = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        for url in (primary_url, fallback_url):  # the first decode builds kernels: over a 20 s timeout on busy cores
+            httpx.post(url + "/v1/chat/completions", json=warm, timeout=600).raise_for_status()
         yield {"proxy": proxy_url, "fallback": fallback_url, "model": model}
 
 
