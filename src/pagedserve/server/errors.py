@@ -1,6 +1,7 @@
 """Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}, with the right status."""
 from __future__ import annotations
 
+import collections
 import logging
 from http import HTTPStatus
 
@@ -76,16 +77,18 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def _most_telling(errors: list[dict]) -> dict:
     """The error of the first failing field that explains it best. A union field fails once per branch
-    (stop as a string and as a list); the branch that got furthest into the input is the one the
-    client meant, and a wrong value there says more than a wrong type."""
+    (stop as a string and as a list): the one the client meant is a branch of the value's JSON type, with
+    the fewest errors; there a wrong value says more than a wrong type, and a later item than an earlier."""
     first = _field_path(errors[0].get("loc", ()))[0]
     same_field = [e for e in errors if _field_path(e.get("loc", ()))[0] == first]
+    per_branch = collections.Counter(_branch(e.get("loc", ())) for e in same_field)
 
-    def progress(err: dict) -> tuple:
-        item = [p for p in _branch_rest(err.get("loc", ())) if isinstance(p, int)]
-        return len(item), item, not err.get("type", "").endswith(("_type", "_parsing"))
+    def score(err: dict) -> tuple:
+        loc, wrong_type = err.get("loc", ()), err.get("type", "").endswith(("_type", "_parsing"))
+        items = [p for p in _branch_rest(loc) if isinstance(p, int)]
+        return not (wrong_type and not items), -per_branch[_branch(loc)], not wrong_type, items
 
-    return max(same_field, key=progress)
+    return max(same_field, key=score)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -94,6 +97,10 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 def _is_tag(part: object) -> bool:
     text = str(part)
     return text in _TYPE_TAGS or "[" in text or "-" in text
+
+
+def _branch(loc: tuple) -> str | None:
+    return next((part for part in loc if isinstance(part, str) and _is_tag(part)), None)
 
 
 def _branch_rest(loc: tuple) -> tuple:

@@ -64,7 +64,7 @@ def create_app(state: ServerState, api_key: str | None = None,
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes,
                        on_response=lambda path, status: state.metrics.record_request(
                            path if path in KNOWN_PATHS else "other", status))
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app, state)
     return app
 
 
@@ -161,14 +161,40 @@ def _model_cards(state: ServerState) -> list[ModelCard]:
     return cards
 
 
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's document, minus the 422 it would advertise: validation errors here are 400s."""
+def _openapi(app: FastAPI, state: ServerState) -> dict:
+    """FastAPI's document, minus the 422 it would advertise (validation errors here are 400s), plus the
+    limits only the loaded models know: the document refuses what the server refuses."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         for path in schema["paths"].values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
+        schemas = schema.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
+            schemas.pop(name, None)
+        _runtime_limits(schemas, state)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _runtime_limits(schemas: dict, state: ServerState) -> None:
+    vocab = getattr(state.engine.tokenizer, "vocab_size", None)
+    if vocab is not None:
+        for model, field in [("CompletionRequest", "prompt"), ("CompletionRequest", "stop_token_ids"),
+                             ("ChatCompletionRequest", "stop_token_ids"), ("DetokenizeRequest", "tokens")]:
+            _set_integer_maximum(schemas[model]["properties"][field], vocab - 1)
+    if state.embedder is not None:  # the encoder has one width; asking for another is refused
+        dimensions = schemas["EmbeddingRequest"]["properties"]["dimensions"]["anyOf"][0]
+        dimensions["minimum"] = dimensions["maximum"] = state.embedder.dim
+
+
+def _set_integer_maximum(node: Any, maximum: int) -> None:
+    """Every integer inside one property's schema (the token ids of its lists) gets this maximum."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = maximum
+        for value in node.values():
+            _set_integer_maximum(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _set_integer_maximum(value, maximum)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -18,7 +18,7 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-Prompt = Annotated[Text, Field(min_length=1)]
+Prompt = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # the engine keeps seeds in int64
@@ -34,6 +34,22 @@ class StrictModel(BaseModel):
     each value only in the JSON type the schema gives it (no true as 1, no "16" as 16)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats_as_ints(cls, data: Any) -> Any:
+        """JSON Schema's integer includes 1.0 and 1e3, which strict mode would refuse: they become ints
+        (float fields take ints). Iterative, since the body may nest as deep as the JSON parser allows."""
+        stack = [data]
+        while stack:
+            node = stack.pop()
+            entries = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+            for key, value in list(entries):
+                if isinstance(value, float) and value.is_integer():
+                    node[key] = int(value)
+                elif isinstance(value, dict | list):
+                    stack.append(value)
+        return data
 
 
 # ---- errors ----
