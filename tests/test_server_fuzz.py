@@ -26,7 +26,8 @@ EXAMPLES = 30  # per operation and generation mode
 def server():
     # A short context keeps each generated request to a few model steps; no age-based shedding on a busy machine.
     srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "48",
-                         "--max-num-seqs", "64", "--num-threads", "1", "--shed-after", "", "--ttft-slo", "120"])
+                         "--max-num-seqs", "64", "--num-threads", "1", "--attention-backend", "torch",
+                         "--shed-after", "", "--ttft-slo", "120"])
     yield srv
     srv.stop()
 

@@ -26,7 +26,7 @@ MAX_BODY = 2**20
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("hardening") / "server.log"
     srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-seqs", str(SEATS),
-                         "--max-request-size", "1MiB", "--num-threads", "1",
+                         "--max-request-size", "1MiB", "--num-threads", "1", "--attention-backend", "torch",
                          # No shedding by queue age: these tests are about size and input, not a busy machine's speed.
                          "--shed-after", "", "--ttft-slo", "120"], log_path=log)
     srv.log_path = log
