@@ -11,9 +11,9 @@ import torch
 from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache import KVCacheManager
-from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.model_runner import BatchInputs, ModelRunner
 from pagedserve.engine.request import Request
-from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample
+from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, score_tokens
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
@@ -99,8 +99,10 @@ class LLMEngine:
         so that any request the context admits can run (as vLLM caps it, with a warning)."""
         model_len = self.model_config.max_position_embeddings
         wanted = min(self.config.max_model_len or model_len, model_len)
+        self.context_note = ""
         if wanted <= pool_tokens:
             return wanted
+        self.context_note = " (all the KV pool holds; raise --kv-cache-memory for more)"
         logger.warning("the KV pool (--kv-cache-memory %s) holds %d tokens, fewer than max_model_len %d: "
                        "capping max_model_len to %d; raise --kv-cache-memory for longer contexts",
                        self.config.kv_cache_memory, pool_tokens, wanted, pool_tokens)
@@ -133,13 +135,14 @@ class LLMEngine:
             raise ValueError("seed must fit in a signed 64-bit integer")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
-                             f"{self.max_model_len} tokens, including the output")
+                             f"{self.max_model_len} tokens{self.context_note}, including the output")
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(ids))
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but "
-                             f"{total} were requested ({len(ids)} in the prompt, {params.max_tokens} to generate)")
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens{self.context_note}, "
+                             f"but {total} were requested ({len(ids)} in the prompt, {params.max_tokens} to "
+                             "generate)")
         return params
 
     def _add_seq(self, group: RequestGroup, req: Request, running: bool = False) -> None:
@@ -181,6 +184,9 @@ class LLMEngine:
             return []
         batch = self.runner.prepare(sched.scheduled, self.kv.req_blocks)
         hidden = self.runner.execute(batch)
+        if batch.prompt_rows:
+            self._score_prompts(batch, hidden)
+        hidden = hidden[batch.sample_rows]
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
@@ -190,6 +196,23 @@ class LLMEngine:
         logits = self.runner.compute_logits(hidden[rows])
         out = sample(logits, SamplingBatch.build(reqs, logits.shape[1]))
         return self._process(reqs, out)
+
+    def _score_prompts(self, batch: BatchInputs, hidden: torch.Tensor) -> None:
+        """Prompt logprobs of this step's prompt positions; a recomputed position (after preemption) is
+        not scored twice. Logits are made a slice of rows at a time: a whole chunk's would be 2048 x vocab."""
+        for req, row, rows in batch.prompt_rows:
+            first = req.num_computed_tokens  # before this step's tokens are counted
+            for at in range(0, rows, 256):
+                take = min(256, rows - at)
+                targets = req.all_token_ids[first + at + 1:first + at + 1 + take]
+                if first + at + take < len(req.prompt_logprobs):
+                    continue
+                logits = self.runner.compute_logits(hidden[row + at:row + at + take])
+                out = score_tokens(logits, torch.tensor(targets), req.params.prompt_logprobs)
+                lp = _logprob_lists(out)
+                for i, target in enumerate(targets):
+                    if first + at + i + 1 == len(req.prompt_logprobs):
+                        req.prompt_logprobs.append(self._logprob_entry(target, i, lp, req.params.prompt_logprobs))
 
     def _fork_children(self, rows: list[int], reqs: list[Request]) -> tuple[list[int], list[Request]]:
         """A request with n > 1 forks its siblings once its prompt is computed; they share its blocks."""
@@ -259,7 +282,7 @@ class LLMEngine:
             for seq in group.seqs:
                 self.seqs.pop(seq.request_id, None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
-                             group.seqs[0].num_cached_tokens)
+                             group.seqs[0].num_cached_tokens, prompt_logprobs=group.seqs[0].prompt_logprobs)
 
 
 def _logprob_lists(out: SamplerOutput) -> dict:
