@@ -37,4 +37,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token; the first is None
     error: str | None = None  # set when the engine failed the request (e.g. it can never fit)

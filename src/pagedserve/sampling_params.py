@@ -21,6 +21,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
+    prompt_logprobs: int | None = None  # per prompt token: its logprob plus this many top alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -51,6 +52,8 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:

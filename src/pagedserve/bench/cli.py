@@ -17,6 +17,7 @@ BENCHMARKS = {
     "overload": "overload control: 0.5x-3x capacity, priorities, control on vs off",
     "routing": "routing policies over 4 replicas (and a labelled simulation mode)",
     "gateway": "gateway overhead, semantic-cache lookup at 100k entries, hit rate",
+    "perplexity": "quality: perplexity and top-1 agreement of each numeric mode against fp32",
 }
 
 

@@ -65,7 +65,7 @@ class KVCacheManager:
     # -- prefix cache -------------------------------------------------------------------------
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding the longest cached prefix of req; at least one token is left to compute."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.prompt_logprobs is not None:  # those need every position computed
             return []
         hits, parent = [], None
         max_blocks = (req.num_tokens - 1) // self.block_size

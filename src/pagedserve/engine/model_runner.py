@@ -18,6 +18,7 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # row of the last computed token of each request that samples this step
     sample_reqs: list[Request]
+    prompt_rows: list[tuple[Request, int, int]]  # (request, first row, rows) whose next prompt token is scored
 
 
 class ModelRunner:
@@ -43,7 +44,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows, sample_reqs, spans = [], [], []
+        sample_rows, sample_reqs, spans, prompt_rows = [], [], [], []
         for req, n in decodes + prefills:
             start, table = len(ids), block_tables[req.request_id]
             first = req.num_computed_tokens
@@ -57,13 +58,16 @@ class ModelRunner:
             if first + n == req.num_tokens:
                 sample_rows.append(start + n - 1)
                 sample_reqs.append(req)
+            scored = min(first + n, req.num_prompt_tokens - 1) - first  # positions whose next token is prompt
+            if req.prompt_logprobs is not None and scored > 0:
+                prompt_rows.append((req, start, scored))
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes),
                                  *self._decode_tables(decodes, block_tables), spans, self.use_kernel)
         if spans:
             meta.prefill_spans = torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans], dtype=torch.long)
             meta.prefill_tables = torch.nn.utils.rnn.pad_sequence([p.block_table for p in spans], batch_first=True)
         return BatchInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                           sample_rows, sample_reqs)
+                           sample_rows, sample_reqs, prompt_rows)
 
     @staticmethod
     def _decode_tables(decodes: list[tuple[Request, int]],
@@ -77,9 +81,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
-        """Runs the forward pass; returns hidden states of the sampled rows only."""
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.block_size)
-        return hidden[batch.sample_rows]
+        """Runs the forward pass; returns the hidden states of every row."""
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.block_size)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedserve.outputs import SampleLogprobs
+from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -36,12 +36,15 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # grows as prompt chunks are computed
     pending_children: int = 0  # n - 1 samples still to fork from this one when its prompt is done
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first token has no context to be predicted from
 
     @property
     def num_tokens(self) -> int:

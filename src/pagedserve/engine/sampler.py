@@ -134,13 +134,21 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits[row, ids] = float("-inf")
     greedy = logits.argmax(dim=-1)
     tokens = greedy if batch.all_greedy else torch.where(batch.temperature > 0, draw(logits, batch), greedy)
-    out = SamplerOutput(tokens, None, None, None, None)
-    if raw_logprobs is not None:
-        sampled = raw_logprobs.gather(1, tokens.unsqueeze(1))
-        out.logprobs = sampled.squeeze(1)
-        out.ranks = (raw_logprobs > sampled).sum(dim=1) + 1
-        if batch.max_logprobs:
-            out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
+    if raw_logprobs is None:
+        return SamplerOutput(tokens, None, None, None, None)
+    return logprobs_of(raw_logprobs, tokens, batch.max_logprobs)
+
+
+def score_tokens(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
+    """Logprob and rank of given tokens (a prompt's next tokens) under raw logits, plus the top k."""
+    return logprobs_of(torch.log_softmax(logits, dim=-1), tokens, k)
+
+
+def logprobs_of(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1))
+    out = SamplerOutput(tokens, chosen.squeeze(1), (raw_logprobs > chosen).sum(dim=1) + 1, None, None)
+    if k:
+        out.top_logprobs, out.top_ids = raw_logprobs.topk(k, dim=-1)
     return out
 
 

@@ -35,10 +35,10 @@ def cpu_kernels():
         return load(name="pagedserve_cpu_kernels", sources=[str(p) for p in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-    except Exception as e:  # noqa: BLE001 -- the torch path still works; how loudly depends on why
+    except Exception as e:  # the torch path still works; how loudly depends on why
         if kernels_expected():
-            logger.error("C++ kernels failed to build although a compiler is present; falling back to the much "
-                         "slower PyTorch path: %s", e, exc_info=True)
+            logger.exception("C++ kernels failed to build although a compiler is present; falling back to the "
+                             "much slower PyTorch path")
         else:
             logger.warning("C++ kernels unavailable (no compiler or not x86-64): using the PyTorch path (%s)", e)
         return None
