@@ -2,12 +2,15 @@
 
 1. Added latency on a cache miss: the same requests sent alternately straight to a `pagedserve serve`
    engine and through a `pagedserve gateway` in front of it (p50 / p99 of the difference), for the full
-   pipeline (semantic cache + classifier) with speculative calls on simple and on hard questions and
-   serially, and for the plumbing alone (cache off, one tier). Engine and gateway are pinned to separate
-   cores (--engine-cpus).
+   pipeline (semantic cache + classifier) with speculative calls on simple and on hard questions (the
+   best case: the lexical guess is always right) and on a mixed stream (labelled questions, some with a
+   wordy suffix that fools the guess, some repeated so that cache hits waste the speculative call), serially,
+   and for the plumbing alone (cache off, one tier). Engine and gateway are pinned to separate cores
+   (--engine-cpus).
 2. Semantic-cache lookup time at 100k entries (faiss HNSW + SQLite fetch), against exact flat search.
-3. Hit rate, false hits and staleness on a replayed question stream with source-version bumps, against
-   an exact-match cache.
+3. Hit rate, false hits and staleness on a replayed question stream with source-version bumps and near-miss
+   questions (negated, another country, another year: other answers), with the near-miss guard on and off,
+   against an exact-match cache.
 Results replace the "## Gateway" section of docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -38,13 +41,20 @@ EMBED_NOTES = ["the gateway's: paid once per request (cache miss), shared with t
                "peer: the same encoder in fp32"]
 SIMPLE = "What is {i} {op} {j}?"  # the classifier sends it to the small tier
 HARD = "Why is {i} {op} {j} what it is? Explain your reasoning step by step."  # ... and this to the large one
-# (name, cache + classifier on, speculative call, question template)
-CONFIGURATIONS = [("full pipeline, speculative, simple question", True, True, SIMPLE),
-                  ("full pipeline, speculative, hard question", True, True, HARD),
+# A wordy ending that makes the lexical guess say "hard" for many questions the classifier calls simple.
+WORDY = " Please answer in detail and compare the alternatives."
+MIXED = "mixed"  # labelled questions, a third with WORDY, a quarter repeats of earlier ones
+# (name, cache + classifier on, speculative call, question template or MIXED)
+CONFIGURATIONS = [("full pipeline, speculative, simple question (best case)", True, True, SIMPLE),
+                  ("full pipeline, speculative, hard question (best case)", True, True, HARD),
+                  ("full pipeline, speculative, mixed stream", True, True, MIXED),
                   ("full pipeline, serial, simple question", True, False, SIMPLE),
+                  ("full pipeline, serial, mixed stream", True, False, MIXED),
                   ("plumbing only (cache off, one tier)", False, False, SIMPLE)]
 VARIANTS = [lambda q: q, lambda q: q.lower().rstrip("?"), lambda q: "Quick question: " + q,
             lambda q: "Hi! " + q, lambda q: q.rstrip("?") + ", please?", lambda q: q + " Thanks!"]
+COUNTRIES = ["Germany", "France", "Spain", "Japan", "Brazil", "Canada"]
+AUXILIARIES = ("is", "are", "can", "do", "does", "should", "will", "was", "were", "may", "must", "could")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,8 +95,31 @@ def split_cpus(engine_cpus: int) -> tuple[set[int], set[int]]:
     return set(cpus[:engine_cpus]), set(cpus[engine_cpus:])
 
 
+def question_pairs(template: str, count: int, seed: int) -> list[tuple[str, str]]:
+    """(question sent straight to the engine, question sent through the gateway) per call pair. Different
+    texts of the same shape, so that neither side gets the other's prefix-cache blocks."""
+    if template != MIXED:
+        return [(template.format(i=i, j=i + 7, op="plus"), template.format(i=i, j=i + 7, op="minus"))
+                for i in range(count)]
+    from pagedserve.gateway.classify import load_examples
+
+    rng = np.random.default_rng(seed)
+    pool = [text for text, _ in load_examples()]
+    rng.shuffle(pool)
+    asked: list[str] = []
+    pairs = []
+    for _ in range(count):
+        if asked and rng.random() < 0.25:  # a repeat: a cache hit that makes the speculative call wasted work
+            question = asked[rng.integers(len(asked))]
+        else:
+            question = pool[len(asked) % len(pool)] + (WORDY if rng.random() < 1 / 3 else "")
+            asked.append(question)
+        pairs.append(("Hi! " + question, question))
+    return pairs
+
+
 def overhead(args: argparse.Namespace, tmp: Path) -> list[dict]:
-    """Alternating direct / gateway calls with unique questions (every gateway call is a cache miss)."""
+    """Alternating direct / gateway calls, each configuration on its own fresh gateway."""
     import asyncio
 
     import httpx
@@ -117,46 +150,81 @@ def overhead(args: argparse.Namespace, tmp: Path) -> list[dict]:
             command = [sys.executable, "-m", "pagedserve.cli", "gateway", "--config", str(tmp / f"gw-{i}.yaml"),
                        "--port", str(port)]
             gateway = f"http://127.0.0.1:{port}"
+            pairs = question_pairs(template, args.requests + WARMUP, seed=i)
             with process(command, gateway, tmp / f"gw-{i}.log", gateway_cpus):
-                rows.append({"name": name, **paired_calls(server, gateway, token, model, template, args.requests)})
+                rows.append({"name": name, **paired_calls(server, gateway, token, model, pairs)})
     return rows
 
 
-def paired_calls(server: str, gateway: str, token: str, model: str, template: str, n: int) -> dict:
+WARMUP = 5  # call pairs that warm connections and caches, not counted
+
+
+def paired_calls(server: str, gateway: str, token: str, model: str, pairs: list[tuple[str, str]]) -> dict:
     import httpx
 
-    direct, through = [], []
+    direct, through, hits = [], [], []
     headers = {"authorization": f"Bearer {token}"}
     with httpx.Client(timeout=60) as c:
-        def timed(url: str, name: str, text: str, auth: dict) -> float:
+        def timed(url: str, name: str, text: str, auth: dict) -> tuple[float, str]:
             body = {"model": name, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}
             t = time.perf_counter()
             r = c.post(url + "/v1/chat/completions", json=body, headers=auth)
             elapsed = (time.perf_counter() - t) * 1000
             r.raise_for_status()
-            assert r.headers.get("x-gateway-cache", "miss") in ("miss", "off"), r.headers["x-gateway-cache"]
-            return elapsed
-        for i in range(n + 5):  # the first 5 pairs warm up connections and caches
-            # Different prompts of the same shape (no prefix-cache help for either), alternating order.
-            to_engine = (server, model, template.format(i=i, j=i + 7, op="plus"), {})
-            to_gateway = (gateway, "bench", template.format(i=i, j=i + 7, op="minus"), headers)
-            if i % 2 == 0:
-                d, t = timed(*to_engine), timed(*to_gateway)
+            return elapsed, r.headers.get("x-gateway-cache", "miss")
+        for i, (direct_text, gateway_text) in enumerate(pairs):
+            to_engine = (server, model, direct_text, {})
+            to_gateway = (gateway, "bench", gateway_text, headers)
+            if i % 2 == 0:  # alternating order: neither side always runs second
+                (d, _), (t, cached) = timed(*to_engine), timed(*to_gateway)
             else:
-                t, d = timed(*to_gateway), timed(*to_engine)
-            if i >= 5:
+                (t, cached), (d, _) = timed(*to_gateway), timed(*to_engine)
+            if i < WARMUP:
+                continue
+            if cached == "hit":
+                hits.append(t)
+            else:
                 direct.append(d)
                 through.append(t)
-        traces = c.get(gateway + "/admin/traces", params={"limit": n}, headers={"authorization": "Bearer bench"})
+        n = len(pairs) - WARMUP
+        rows = written_traces(c, gateway, len(pairs))[:n]  # newest first: the timed calls
+    assert all(t["status"] == 200 for t in rows), "a timed call failed"
     diffs = [t - d for d, t in zip(direct, through)]  # per pair: the engine's own variance mostly cancels
-    rows = traces.json()["data"]
-    inside = [t["latency_ms"] - sum(a["latency_ms"] for a in t["attempts"]) for t in rows]
-    tiers = {tier: sum(t["tier"] == tier for t in rows) / len(rows) for tier in ("small", "large")}
-    speculated = sum((t["speculative"] or "").startswith("used") for t in rows) / len(rows)
-    return {"n": n, "route": f"{tiers['small']:.0%} small, {tiers['large']:.0%} large; speculative call used "
-                             f"{speculated:.0%}", "direct_p50": percentile(direct, 50), "gateway_p50": percentile(through, 50),
-            "added_p50": percentile(diffs, 50), "added_p99": percentile(diffs, 99),
-            "inside_p50": percentile(inside, 50), "inside_p99": percentile(inside, 99)}
+    misses = [t for t in rows if t["cache"] != "hit"]
+    inside = [t["latency_ms"] - sum(a["latency_ms"] for a in t["attempts"]) for t in misses]
+    return {"n": n, "route": describe_routes(rows, hits), "direct_p50": percentile(direct, 50),
+            "gateway_p50": percentile(through, 50), "added_p50": percentile(diffs, 50),
+            "added_p99": percentile(diffs, 99), "inside_p50": percentile(inside, 50),
+            "inside_p99": percentile(inside, 99)}
+
+
+def written_traces(client, gateway: str, count: int, patience_s: float = 30) -> list[dict]:
+    """The newest count traces, once all are written (a trace is written after its response is sent)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        rows = client.get(gateway + "/admin/traces", params={"limit": count},
+                          headers={"authorization": "Bearer bench"}).json()["data"]
+        if len(rows) == count or time.monotonic() > deadline:
+            assert len(rows) == count, f"{len(rows)} traces written for {count} calls"
+            return rows
+        time.sleep(0.05)
+
+
+def describe_routes(rows: list[dict], hit_ms: list[float]) -> str:
+    """Tiers of the misses, the cache hits, and what became of the speculative calls, from the traces."""
+    misses = [t for t in rows if t["cache"] != "hit"]
+    small = sum(t["tier"] == "small" for t in misses) / len(misses)
+    text = f"{small:.0%} small, {1 - small:.0%} large"
+    if hit_ms:
+        text += f"; cache hits {len(hit_ms) / len(rows):.0%} (through the gateway p50 {percentile(hit_ms, 50):.1f} ms)"
+    speculative = [t["speculative"] or "" for t in rows]
+    if any(speculative):
+        used = sum(s == "used" for s in speculative)
+        on_hit = sum(s.endswith("(cache hit)") for s in speculative)
+        other_tier = sum(s.endswith("tier)") for s in speculative)
+        text += (f"; speculative call used {used / len(rows):.0%}, wasted on a cache hit {on_hit / len(rows):.0%}, "
+                 f"on the other tier {other_tier / len(rows):.0%}")
+    return text
 
 
 def lookup_at_scale(args: argparse.Namespace, tmp: Path, embedder, questions: list[str]) -> dict:
@@ -213,43 +281,69 @@ def embed_latency(embedders: dict, questions: list[str]) -> dict[str, tuple[floa
     return {name: (percentile(v, 50), percentile(v, 99)) for name, v in times.items()}
 
 
+def near_misses(question: str) -> list[tuple[str, str]]:
+    """(kind, question) variants that read almost the same but have another answer."""
+    body = question.rstrip("?. ")
+    out = [("country", f"{body} in {country}?") for country in COUNTRIES[:2] if country not in question]
+    out += [("year", f"{body} in {year}?") for year in (2024, 2025)]
+    words = question.split()
+    aux = next((i for i, w in enumerate(words) if w.lower() in AUXILIARIES), None)
+    if aux is not None:
+        out.append(("negation", " ".join(words[:aux + 1] + ["not"] + words[aux + 1:])))
+    return out
+
+
 def replay(args: argparse.Namespace, tmp: Path, embedder, questions: list[str]) -> list[dict]:
-    """A Zipf-skewed stream of user phrasings of the same questions; the source changes every --bump-every."""
+    """A Zipf-skewed stream of user phrasings of the same questions, a share of them near misses (another
+    answer); the source changes every --bump-every. Each threshold runs with the near-miss guard on and off."""
     from pagedserve.gateway.semantic_cache import SemanticCache, normalise
 
     rng = np.random.default_rng(1)
     weights = 1 / np.arange(1, len(questions) + 1) ** 1.1
-    asked = rng.choice(len(questions), args.stream, p=weights / weights.sum())
-    variants = rng.integers(0, len(VARIANTS), args.stream)
-    texts = sorted({normalise(VARIANTS[v](questions[q])) for q, v in zip(asked, variants)})
+    stream = []  # (answer id, normalised text)
+    for q in rng.choice(len(questions), args.stream, p=weights / weights.sum()):
+        answer, text = str(q), questions[q]
+        variants = near_misses(text)
+        if rng.random() < args.near_miss and variants:
+            kind, text = variants[rng.integers(len(variants))]
+            answer = f"{q}:{kind}:{text}"
+        stream.append((answer, normalise(VARIANTS[rng.integers(len(VARIANTS))](text))))
+    texts = sorted({text for _, text in stream})
     vector_of = dict(zip(texts, embedder.embed(texts)))
+    near = sum(":" in answer for answer, _ in stream) / len(stream)
     rows = []
     for threshold in args.thresholds:
-        cache = SemanticCache(tmp / f"replay-{threshold}.db", embedder.dim)
-        exact: dict[str, tuple[int, str]] = {}
-        counts = dict.fromkeys(["hit", "false_hit", "stale", "exact_hit", "exact_stale", "served_stale"], 0)
-        version = 1
-        for i, (q, v) in enumerate(zip(asked, variants)):
-            if i and i % args.bump_every == 0:
-                version += 1
-            current = {"hr-policy": str(version)}
-            text = normalise(VARIANTS[v](questions[q]))
-            result = cache.lookup("scope", vector_of[text], threshold, current, None, text)
-            if result.result == "hit":
-                counts["hit"] += 1
-                counts["false_hit"] += result.entry.response["question"] != int(q)
-                counts["served_stale"] += result.entry.sources != current
-            else:
-                counts["stale"] += result.result == "stale"
-                cache.put("scope", text, vector_of[text], {"question": int(q)}, current, 86400, None, "stop", 1)
-            seen = exact.get(text)
-            if seen is not None and seen[1] == current["hr-policy"]:
-                counts["exact_hit"] += 1
-            else:
-                counts["exact_stale"] += seen is not None
-                exact[text] = (int(q), current["hr-policy"])
-        rows.append({"threshold": threshold, **{k: c / args.stream for k, c in counts.items()}})
+        for guard in (True, False):
+            cache = SemanticCache(tmp / f"replay-{threshold}-{guard}.db", embedder.dim)
+            counts = replay_once(cache, stream, vector_of, threshold, guard, args.bump_every)
+            rows.append({"threshold": threshold, "guard": guard, "near_miss": near,
+                         **{k: c / len(stream) for k, c in counts.items()}})
     return rows
+
+
+def replay_once(cache, stream: list[tuple[str, str]], vector_of: dict, threshold: float, guard: bool,
+                bump_every: int) -> dict[str, int]:
+    counts = dict.fromkeys(["hit", "false_hit", "stale", "served_stale", "exact_hit", "exact_false_hit",
+                            "exact_stale"], 0)
+    exact: dict[str, tuple[str, str]] = {}  # text -> (answer, version)
+    for i, (answer, text) in enumerate(stream):
+        current = {"hr-policy": str(1 + i // bump_every)}
+        result = cache.lookup("scope", vector_of[text], threshold, current, None, text if guard else None)
+        if result.result == "hit":
+            counts["hit"] += 1
+            counts["false_hit"] += result.entry.response["answer"] != answer
+            counts["served_stale"] += result.entry.sources != current
+        else:
+            counts["stale"] += result.result == "stale"
+            cache.put("scope", text, vector_of[text], {"answer": answer}, current, 86400, None, "stop", 1)
+        seen = exact.get(text)
+        if seen is not None and seen[1] == current["hr-policy"]:
+            counts["exact_hit"] += 1
+            counts["exact_false_hit"] += seen[0] != answer
+        else:
+            counts["exact_stale"] += seen is not None
+            exact[text] = (answer, current["hr-policy"])
+    return counts
 
 
 def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) -> str:
@@ -271,7 +365,12 @@ def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) 
             "the gateway's own work (auth, limits, budget, embedding, cache lookup, classifier, trace) outside the "
             "provider call. Serially, almost all of it is the one query embedding (table below); with "
             "`speculate: true` the call starts on the lexical guess's tier before the embedding, which then runs "
-            "while the provider works (\"speculative call used\": the final classifier agreed). The paired "
+            "while the provider works (\"speculative call used\": the final classifier agreed). The best-case rows "
+            "ask questions whose lexical guess is always right and never repeat; the mixed stream asks the labelled "
+            "questions of the classifier's training set, a third of them with a wordy ending that fools the "
+            "guess, a quarter repeats of earlier ones (\"wasted on a cache hit\": the cache answered and the "
+            "speculative call was cancelled, or discarded if it had finished; \"on the other tier\": the "
+            "classifier overruled the guess). Added latency is over the misses; hits are timed apart. The paired "
             "end-to-end difference also holds the engine's call-to-call variation; run to run its p50 moves by "
             "about 1 ms."), "",
             f"### Semantic-cache lookup at {scale['entries']:,} entries", "",
@@ -283,14 +382,16 @@ def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) 
             *(f"| query embedding, MiniLM-L6, 1 thread, {name} | {p50:.2f} | {p99:.2f} | {note} |"
               for name, (p50, p99), note in zip(scale["embed"], scale["embed"].values(), EMBED_NOTES)),
             "", (f"### Replayed question stream ({args.stream} requests, Zipf over {args.questions} questions, "
-            f"{len(VARIANTS)} phrasings each, source bumped every {args.bump_every})"), "",
-            "| cache | threshold | hit rate | false hits | stale skipped | stale served |", "|---|---|---|---|---|---|"]
+            f"{len(VARIANTS)} phrasings each, {replay_rows[0]['near_miss']:.0%} near misses: negated, another "
+            f"country or year; source bumped every {args.bump_every})"), "",
+            "| cache | threshold | near-miss guard | hit rate | false hits | correct hits | stale skipped | stale served |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in replay_rows:
-        out.append(f"| semantic (ours) | {r['threshold']} | {r['hit']:.1%} | {r['false_hit']:.1%} | {r['stale']:.1%} | "
-                   f"{r['served_stale']:.1%} |")
+        out.append(f"| semantic (ours) | {r['threshold']} | {'on' if r['guard'] else 'off'} | {r['hit']:.1%} | "
+                   f"{r['false_hit']:.1%} | {r['hit'] - r['false_hit']:.1%} | {r['stale']:.1%} | {r['served_stale']:.1%} |")
     r = replay_rows[0]
-    out.append(f"| exact match on normalised text (peer) | - | {r['exact_hit']:.1%} | 0.0% | {r['exact_stale']:.1%} "
-               "| 0.0% |")
+    out.append(f"| exact match on normalised text (peer) | - | - | {r['exact_hit']:.1%} | {r['exact_false_hit']:.1%} | "
+               f"{r['exact_hit'] - r['exact_false_hit']:.1%} | {r['exact_stale']:.1%} | - (keyed by version) |")
     return "\n".join(out) + "\n"
 
 
@@ -306,6 +407,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", type=int, default=3000, help="requests in the replayed stream")
     p.add_argument("--questions", type=int, default=100, help="distinct questions in the stream")
     p.add_argument("--bump-every", type=int, default=500, help="source version bump interval (requests)")
+    p.add_argument("--near-miss", type=float, default=0.15,
+                   help="share of the stream asked as a near miss (negated, another country or year)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.95, 0.9], help="similarity thresholds")
     p.add_argument("--engine-cpus", type=int, default=max((os.cpu_count() or 2) // 2, 1),
                    help="cores the engine is pinned to (and its thread count); the gateway gets the rest. "
@@ -339,8 +442,9 @@ def run_args(args: argparse.Namespace) -> int:
               f"(flat {scale['flat_p50']:.3f} ms); embed p50 {scale['embed']}", flush=True)
         replay_rows = replay(args, tmp, embedder, simple)
         for r in replay_rows:
-            print(f"replay threshold {r['threshold']}: hit {r['hit']:.1%}, false {r['false_hit']:.1%}, "
-                  f"stale {r['stale']:.1%}, exact-match hit {r['exact_hit']:.1%}", flush=True)
+            print(f"replay threshold {r['threshold']}, guard {'on' if r['guard'] else 'off'}: hit {r['hit']:.1%}, "
+                  f"false {r['false_hit']:.1%}, stale {r['stale']:.1%}, exact-match hit {r['exact_hit']:.1%}",
+                  flush=True)
     section = render(args, rows, scale, replay_rows, (load_before, os.getloadavg()[0]))
     replace_section(section, args.docs / "benchmarks.md")
     print(section)
