@@ -152,7 +152,8 @@ QUICK = ["--scale", "0.05", "--repeats", "1", "--peer-dtype", "float32"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="w1,mix,prefix,single", help="comma-separated subset to run")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="pagedserve's dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="pagedserve's dtype (auto: bf16 where the CPU runs it natively, else fp32)")
     p.add_argument("--peer-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="transformers' dtype; auto: probe both on a small batch and keep the faster")
     p.add_argument("--scale", type=float, default=1.0, help="scale request counts (e.g. 0.25 for a quick look)")
@@ -197,6 +198,7 @@ def run_args(args: argparse.Namespace) -> int:
     if not args.no_peer:
         peer, note = pick_peer_dtype(tokens, args.peer_dtype)
         notes.append(note)
+    notes.append(f"pagedserve runs in {str(eng.dtype).removeprefix('torch.')} (--dtype {args.dtype}).")
     warm = w1(tokens, 4, output_len=16)  # the same warm-up for both systems
     run_engine(eng, warm)
     if peer is not None:
