@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from pagedserve.model.kernels import cpu_kernels
 
+KERNEL_HEAD_DIMS = (64, 128)  # what the C++ attention kernels are built for; other sizes take the PyTorch path
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -55,7 +57,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta, block_size, scale)
-    if (fused is not None and meta.prefill_spans is not None and q.shape[-1] in (64, 128)
+    if (fused is not None and meta.prefill_spans is not None and q.shape[-1] in KERNEL_HEAD_DIMS
             and fused.prefill_attention_available()):
         # Every span in one call, reading the pool this step's keys were just written to.
         fused.prefill_attention(q, k_cache, v_cache, meta.prefill_spans, meta.prefill_tables, block_size, scale, out)
@@ -81,7 +83,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      block_size: int, scale: float) -> torch.Tensor:
     """q: [B, H, d], one query per decode row. Returns [B, H, d]."""
-    kernels = cpu_kernels() if meta.use_kernel and q.device.type == "cpu" else None
+    kernels = (cpu_kernels() if meta.use_kernel and q.device.type == "cpu" and q.shape[-1] in KERNEL_HEAD_DIMS
+               else None)
     if kernels is None:
         return decode_attention_torch(q, k_cache, v_cache, meta, block_size, scale)
     return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,

@@ -37,6 +37,10 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         arch = cfg.get("model_type", "llama")
+        # transformers 5 writes RoPE's base and scaling into one `rope_parameters` dict; older configs
+        # have top-level `rope_theta` and `rope_scaling`.
+        rope = cfg.get("rope_parameters") or {}
+        scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -48,8 +52,8 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling") or (rope if scaled else None),
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
