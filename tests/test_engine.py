@@ -70,19 +70,27 @@ def test_stop_token_ids_and_length(llm):
 
 def test_n_samples_share_prompt_blocks(llm):
     engine = llm.engine
-    prompt = PROMPT * 6  # several full blocks
-    engine.add_request("fork", prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8))
-    prompt_blocks = -(-len(engine.tokenizer.encode(prompt)) // engine.kv.block_size)
+    bs, max_tokens = engine.kv.block_size, 12
+    prompt = engine.tokenizer.encode(PROMPT * 5)  # two full blocks and a partial one
+    engine.kv.reset_prefix_cache()
+    assert engine.stats().blocks_used == 0
+    engine.add_request("fork", prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=max_tokens,
+                                                      ignore_eos=True))
     peak, final = 0, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             final = out
         peak = max(peak, engine.stats().blocks_used)
     assert final.finished and len(final.outputs) == 4 and [c.index for c in final.outputs] == [0, 1, 2, 3]
-    assert all(len(c.token_ids) == 8 for c in final.outputs)
+    assert all(len(c.token_ids) == max_tokens for c in final.outputs)
     assert len({c.text for c in final.outputs}) > 1
-    # Without sharing, four copies of the prompt would need 4 * prompt_blocks.
-    assert peak < 2 * prompt_blocks + 8
+    # The prompt's full blocks are held once; each sample holds its own copy of the partial prompt block and
+    # the blocks its tokens fill. Seen between steps, the most KV a sample holds is the prompt and all its
+    # tokens but the last two: the step that writes the next-to-last also samples the last and finishes.
+    shared = len(prompt) // bs
+    own = -(-(len(prompt) + max_tokens - 2) // bs) - shared
+    assert (shared, own) == (2, 2) and peak == shared + 4 * own, (len(prompt), peak)
+    assert engine.stats().blocks_used == 0
 
 
 def test_logprobs(llm):
