@@ -2,6 +2,10 @@
 driven by the official `openai` client and raw httpx where the client would hide the HTTP details."""
 import asyncio
 import base64
+import ctypes
+import errno
+import os
+import socket
 import time
 
 import httpx
@@ -18,17 +22,23 @@ EMBED_MODEL = "all-MiniLM-L6-v2"
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 1024
+SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def add(a, b):", "1, 2, 3, 4,"]
 
 
 @pytest.fixture(scope="module")
-def server():
+def server_process() -> ServerProcess:
     srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN),
                          "--api-key", API_KEY, "--max-request-size", "1MiB",
                          "--shed-after", ""])  # shedding by queue age is test_overload's; here it'd be the machine's speed
     assert "curl" in srv.banner
-    yield srv.url
+    yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(server_process) -> str:
+    return server_process.url
 
 
 @pytest.fixture(scope="module")
@@ -374,19 +384,40 @@ def test_auth_size_and_routes(server, client):
 
 # ---- metrics and OpenAPI ----
 
+METRIC_SERIES = {  # name, labels -> how much one 4-token completion plus one 400 moves it
+    ("pagedserve_requests_total", (("endpoint", "/v1/completions"), ("status", "200"))): 1,
+    ("pagedserve_requests_total", (("endpoint", "/v1/completions"), ("status", "400"))): 1,
+    ("pagedserve_time_to_first_token_seconds_count", ()): 1,
+    ("pagedserve_time_per_output_token_seconds_count", ()): 1,
+    ("pagedserve_e2e_request_latency_seconds_count", ()): 1,
+    ("pagedserve_generation_tokens_total", ()): 4,
+}
+
+
 def test_metrics(server, client):
-    client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
-    assert metric(server, "pagedserve_requests_total", endpoint="/v1/completions", status="200") >= 1
-    assert metric(server, "pagedserve_requests_total", endpoint="/v1/completions", status="400") >= 0
-    assert metric(server, "pagedserve_time_to_first_token_seconds_count") >= 1
-    assert metric(server, "pagedserve_time_per_output_token_seconds_count") >= 1
-    assert metric(server, "pagedserve_e2e_request_latency_seconds_count") >= 1
-    assert metric(server, "pagedserve_generation_tokens_total") >= 4
-    assert metric(server, "pagedserve_prompt_tokens_total") >= 1
+    def snapshot() -> dict:
+        series = {(name, labels): metric(server, name, **dict(labels)) for name, labels in METRIC_SERIES}
+        return {**series, "prompt_tokens": metric(server, "pagedserve_prompt_tokens_total")}
+
+    before = snapshot()
+    ok = client.completions.create(model=MODEL, prompt="Hi there", max_tokens=4, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError):  # refused before the engine: no tokens, no latency samples
+        client.completions.create(model=MODEL, prompt="Hi there", max_tokens=4, temperature=5)
+    expected = {**METRIC_SERIES, "prompt_tokens": ok.usage.prompt_tokens}
+    assert ok.usage.completion_tokens == 4 and ok.usage.prompt_tokens > 0
+
+    def deltas() -> dict:
+        now = snapshot()
+        return {k: now[k] - before[k] for k in now}
+    # Each series is recorded as its response ends: wait until all have moved, then they must be exact.
+    wait_until(lambda: all(v >= expected[k] for k, v in deltas().items()))
+    assert deltas() == expected
+    text = httpx.get(f"{server}/metrics").text
     assert metric(server, "pagedserve_kv_blocks_total") > 0
     for name in ("pagedserve_num_requests_waiting", "pagedserve_prefix_cache_hit_rate",
                  "pagedserve_num_preemptions_total"):
-        assert name in httpx.get(f"{server}/metrics").text
+        assert name in text
 
 
 def test_openapi_matches_server(server):
@@ -409,25 +440,41 @@ def test_openapi_matches_server(server):
     assert "HTTPBearer" in str(doc["components"].get("securitySchemes", {}))
 
 
-def test_accepted_connections_have_nagle_off():
-    """With Nagle on, each response body waited ~40 ms behind its headers for the client's delayed ACK."""
-    import socket
+def test_accepted_connections_have_nagle_off(server_process):
+    """With Nagle on, each response body waited ~40 ms behind its headers for the client's delayed ACK.
+    Read off the running server's own accepted socket (uvicorn on uvloop, whose sockets asyncio never sees)."""
+    port = int(server_process.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # accepted and served; the connection stays open
+        nodelay = socket_option_of_peer(server_process.proc.pid, sock.getsockname(), socket.TCP_NODELAY)
+    assert nodelay != 0
 
-    from pagedserve.server.api_server import bind
 
-    async def accepted_nodelay() -> int:
-        sock = bind("127.0.0.1", 0)
-        seen: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        def on_connect(_reader, writer) -> None:
-            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-            writer.close()
-
-        server = await asyncio.start_server(on_connect, sock=sock)
-        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
-        value = await asyncio.wait_for(seen, 10)
-        writer.close()
-        server.close()
-        return value
-
-    assert asyncio.run(accepted_nodelay()) != 0
+def socket_option_of_peer(pid: int, peer: tuple, option: int) -> int:
+    """A TCP option of process `pid`'s socket connected to `peer`, read on a duplicate of that socket
+    (pidfd_getfd(2): allowed on our own child process)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        for entry in os.scandir(f"/proc/{pid}/fd"):
+            try:
+                if not os.readlink(entry.path).startswith("socket:"):
+                    continue
+            except FileNotFoundError:  # closed while we looked
+                continue
+            fd = libc.syscall(SYS_PIDFD_GETFD, pidfd, int(entry.name), 0)
+            if fd < 0:
+                err = ctypes.get_errno()
+                if err in (errno.ENOSYS, errno.EPERM):
+                    pytest.skip(f"pidfd_getfd is not allowed here: {os.strerror(err)}")
+                continue
+            with socket.socket(fileno=fd) as dup:
+                try:
+                    if dup.getpeername() == peer:
+                        return dup.getsockopt(socket.IPPROTO_TCP, option)
+                except OSError:  # listening, or not an IP socket
+                    continue
+    finally:
+        os.close(pidfd)
+    raise AssertionError(f"no socket of process {pid} is connected to {peer}")
