@@ -187,12 +187,47 @@ def test_config_parsing(tmp_path):
         make_policy("random")
 
 
-def test_random_index_workload_stays_fast():
-    index = PrefixIndex(max_size_per_replica=50_000)
+def test_random_index_workload_evicts_in_batches_and_keeps_hot_prefixes():
+    """Eviction walks the whole tree, so it must run once per tenth of a budget inserted, not on every insert
+    over the budget; LRU must drop old suffixes, never a prompt still in use; no node outlives its replicas."""
+    budget = 10_000
+    index = PrefixIndex(max_size_per_replica=budget)
+    evicted_at: list[int] = []  # a replica's size when an eviction began
+    evict = index._evict
+
+    def counting_evict(replica: str, target: int) -> None:
+        evicted_at.append(index.size(replica))
+        evict(replica, target)
+    index._evict = counting_evict
     rng = random.Random(0)
     prompts = ["".join(rng.choice("abcdefgh ") for _ in range(2000)) for _ in range(16)]
+    grown = dict.fromkeys((f"r{i}" for i in range(4)), 0)
+    evictions = dict.fromkeys(grown, 0)
     for i in range(2000):
-        key = prompts[i % 16] + str(i)
-        index.match(key)
-        index.insert(key, f"r{i % 4}")
-    assert all(index.size(f"r{i}") <= 50_000 for i in range(4))
+        replica, prompt = f"r{i % 4}", prompts[i % 16]  # each replica serves four of the prompts
+        key = f"{prompt}{i}:" + "".join(rng.choice("abcdefgh") for _ in range(20))
+        matched = index.match(key)
+        if i >= 16:  # the prompt is in use on its replica and nowhere else
+            assert matched[replica] >= len(prompt)
+            assert all(n < len(prompt) for r, n in matched.items() if r != replica)
+        size, calls = index.size(replica), len(evicted_at)
+        index.insert(key, replica)
+        if len(evicted_at) > calls:
+            evictions[replica] += 1
+            grown[replica] += evicted_at[-1] - size
+        else:
+            grown[replica] += index.size(replica) - size
+        assert index.size(replica) <= budget
+        assert index.match(key)[replica] == len(key)  # the newest entry is never the one evicted
+    for replica in grown:  # the first eviction takes a budget of growth, each later one 0.1 x budget (from 0.9 x)
+        assert 3 <= evictions[replica] and (evictions[replica] - 1) * budget // 10 + budget < grown[replica], \
+            (evictions, grown)
+    # The tree holds exactly what the sizes say, and no node is left without a replica.
+    sizes, stack = dict.fromkeys(grown, 0), list(index.root.children.values())
+    while stack:
+        node = stack.pop()
+        assert node.last_used
+        for replica in node.last_used:
+            sizes[replica] += len(node.edge)
+        stack.extend(node.children.values())
+    assert sizes == {r: index.size(r) for r in sizes}
