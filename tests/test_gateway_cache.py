@@ -132,7 +132,7 @@ def test_classifier_generalises_and_routes_the_seed_question_to_the_small_model(
     examples = classify.load_examples()
     assert sum(y for _, y in examples) > 80 and sum(1 - y for _, y in examples) > 80
     accuracy, guessed = classify.cross_validate(embedder, examples)
-    assert accuracy >= 0.9 and guessed >= 0.9
+    assert accuracy >= 0.985 and guessed >= 0.985, (accuracy, guessed)  # docs/gateway.md: 0.99 and 0.99
     model = classify.load_or_train(embedder, tmp_path)
     assert classify.weights_path(tmp_path, embedder.model_name).exists()
     again = classify.load_or_train(embedder, tmp_path)  # second start: loaded, not retrained

@@ -97,7 +97,8 @@ def test_degradation_caps_sheddable_and_refuses_n_but_spares_standard(burst_serv
         std = await complete(c, "Hello", "standard", max_tokens=20, n=2, temperature=0.7, seed=1)
         stream = await c.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}], max_tokens=20,
-            stream=True, extra_headers={"x-priority": "sheddable"}, extra_body={"ignore_eos": True})
+            stream=True, stream_options={"include_usage": True}, extra_headers={"x-priority": "sheddable"},
+            extra_body={"ignore_eos": True})
         chunks = [chunk async for chunk in stream]
         return shed, std, chunks
 
@@ -108,7 +109,8 @@ def test_degradation_caps_sheddable_and_refuses_n_but_spares_standard(burst_serv
     assert body.model_extra["degraded"] == [f"max_tokens={SHED_CAP}", "n=1"]
     assert len(std.choices) == 2 and std.usage.completion_tokens == 40
     assert chunks[0].model_extra["degraded"] == [f"max_tokens={SHED_CAP}"]
-    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) <= SHED_CAP
+    assert chunks[-1].usage.completion_tokens == SHED_CAP  # tokens, as the engine counted them: not chunks
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
 
 
 def test_deadlines_and_bad_priorities(burst_server):
