@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
@@ -112,7 +113,9 @@ def replica_snapshot(url: str) -> tuple[bool, float]:
 
 class FaultProxy:
     """A TCP forwarder that can be cut: while down, new connections are reset at once and open ones are
-    aborted, which is what the router sees when a replica's host or network fails."""
+    aborted, which is what the router sees when a replica's host or network fails. `arm` runs an action
+    (a cut, say) at a chosen point of one request: after its bytes and then `response_bytes` bytes of the
+    answer have passed, with that connection held until the action returns."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
@@ -120,6 +123,7 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self.up = True
         self._transports: set[asyncio.Transport] = set()
+        self._armed: tuple[bytes, int, Callable[[], None]] | None = None
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -143,19 +147,38 @@ class FaultProxy:
             return
         pair = (writer.transport, up_writer.transport)
         self._transports.update(pair)
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        trigger: dict = {}  # this connection's armed action, once its request has passed
+        await asyncio.gather(self._pipe(reader, up_writer, trigger, request=True),
+                             self._pipe(up_reader, writer, trigger, request=False))
         self._transports.difference_update(pair)
 
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, trigger: dict,
+                    request: bool) -> None:
         try:
             while data := await reader.read(65536):
                 writer.write(data)
                 await writer.drain()
+                if request and self._armed and self._armed[0] in data:
+                    _, response_bytes, action = self._armed
+                    self._armed = None
+                    trigger.update(left=response_bytes, action=action)
+                elif not request and "left" in trigger:
+                    trigger["left"] -= len(data)
+                if trigger.get("left", 1) <= 0:
+                    await asyncio.to_thread(trigger.pop("action"))  # off this loop: it may cut this proxy
+                    trigger.clear()
         except (ConnectionError, OSError):
             pass
         finally:
             writer.transport.abort() if writer.transport.is_closing() else writer.close()
+
+    def arm(self, marker: bytes, response_bytes: int, action: Callable[[], None]) -> None:
+        """Runs `action` once, on the next request whose bytes contain `marker`, after it and then
+        `response_bytes` bytes of its answer were relayed (0: as soon as the request reached the replica)."""
+        self._armed = (marker, response_bytes, action)
+
+    def disarm(self) -> None:
+        self._armed = None
 
     def set_up(self, up: bool) -> None:
         def apply() -> None:

@@ -229,8 +229,8 @@ def settled_counts(processes: dict[str, str]) -> dict[str, float]:
 @given(down=st.lists(st.booleans(), min_size=6, max_size=6),
        residency=st.sampled_from(["eu", "us", None]),
        client_region=st.sampled_from(["eu-west", "us-east", "us-west", None]),
-       settle=st.booleans(), cut_during=st.booleans(), stream=st.booleans())
-def test_residency_holds_under_random_failures(residency_setup, down, residency, client_region, settle, cut_during,
+       settle=st.booleans(), cut_after=st.sampled_from([None, 0, 200]), stream=st.booleans())
+def test_residency_holds_under_random_failures(residency_setup, down, residency, client_region, settle, cut_after,
                                                stream):
     setup = residency_setup
     router, proxies, processes = setup.router, setup.proxies, setup.processes
@@ -243,18 +243,28 @@ def test_residency_holds_under_random_failures(residency_setup, down, residency,
     allowed_up = [e for e in allowed if not down[ENTRIES.index(e)]]
     before = setup.last_counts or settled_counts(processes)
     headers = {k: v for k, v in (("x-residency", residency), ("x-client-region", client_region)) if v}
+    cut = cut_after is not None and allowed_up
     body = {"model": "SmolLM2-135M-Instruct", "prompt": "Where does my data live? " * 8,
-            "max_tokens": 4 if cut_during else 1, "ignore_eos": True, "stream": stream}
-    cutter = None
-    if cut_during and allowed_up:  # cut the whole jurisdiction but one link while the request runs
-        cutter = threading.Timer(0.02, lambda: [proxies[e].set_up(False) for e in allowed_up[1:]])
-        cutter.start()
+            "max_tokens": 4 if cut else 1, "ignore_eos": True, "stream": stream}
+    if cut:  # cut the whole jurisdiction but one link while the request runs: once it reached a replica and
+        # `cut_after` bytes of the answer came back (0: before the replica answered; 200: mid-stream)
+        once = threading.Lock()
+
+        def cut_links() -> None:
+            if once.acquire(blocking=False):
+                for e in allowed_up[1:]:
+                    proxies[e].set_up(False)
+        for e in allowed_up:
+            proxies[e].arm(b"Where does my data live?", cut_after, cut_links)
     try:
         response = httpx.post(router.url + "/v1/completions", json=body, headers=headers, timeout=30)
     except httpx.TimeoutException:
         pytest.fail(f"the router hung; its log ends:\n{router.log_path.read_text()[-3000:]}")
-    if cutter:
-        cutter.join()
+    finally:
+        for proxy in proxies.values():
+            proxy.disarm()
+    if cut and response.status_code == 200:
+        assert once.locked()  # it passed a link, so the cut happened, during this request
     after = setup.last_counts = settled_counts(processes)
     served = [j for j in processes if after[j] > before[j]]
     # the property: nothing ever reaches a replica outside the request's residency
@@ -264,7 +274,7 @@ def test_residency_holds_under_random_failures(residency_setup, down, residency,
     if not allowed_up:
         assert response.status_code == 503
         assert "residency" in response.json()["error"]["message"] or residency is None
-    elif settle and not cut_during:
+    elif settle and not cut:
         assert response.status_code == 200, response.text
     else:
         assert response.status_code in (200, 503), response.text
