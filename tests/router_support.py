@@ -201,8 +201,9 @@ class StandInReplica:
     """An in-process HTTP server in front of a real replica that forwards to it, except when told to
     misbehave: a real `pagedserve serve` cannot be made to answer 500 (or 429, or drop a connection
     after its headers) on demand, and the router's answer to exactly that is what these tests check.
-    `fault` applies to every proxied request: "500", "429", "503" or "drop"; a body containing POISON
-    is answered 500 always (a replica crashing on one bad request). `health_ok=False` fails /health."""
+    `fault` applies to every proxied request: "500", "429", "503", "drop" or "stall" (no answer until the
+    caller gives up); a body containing POISON is answered 500 always (a replica crashing on one bad
+    request). `health_ok=False` fails /health."""
 
     POISON = b"POISON"
 
@@ -237,6 +238,10 @@ class StandInReplica:
         fault = "500" if self.POISON in body else self.fault if scope["method"] == "POST" else None
         if fault:
             self.seen[fault] = self.seen.get(fault, 0) + 1
+        if fault == "stall":  # the next message is the caller's disconnect
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            return None
         if fault == "drop":  # headers out, then the connection breaks
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]})

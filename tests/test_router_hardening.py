@@ -248,6 +248,52 @@ def test_busy_replica_is_skipped_not_ejected(faulty, tmp_path):
         assert router.metric("pagedserve_router_failovers_total", replica="r0", reason="status 429") >= 4
 
 
+def test_replica_answering_503_alone_is_skipped_not_ejected(faulty, tmp_path):
+    with RouterProcess(tmp_path, **config([s.url for s in faulty], health_interval_s=30)) as router:
+        router.wait_healthy(["r0", "r1"])
+        faulty[0].fault = "503"  # draining or overloaded: busy, not broken
+        for _ in range(4):  # more than passive_failures (3)
+            response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
+            assert response.status_code == 200 and response.headers["x-pagedserve-replica"] == "r1"
+        assert faulty[0].seen["503"] >= 2
+        assert router.replica_states() == {"r0": True, "r1": True}
+        assert router.metric("pagedserve_router_ejections_total") == 0
+        assert router.metric("pagedserve_router_confirm_probes_total") == 0  # not even suspected
+        faulty[0].fault = None
+        served = {httpx.post(router.url + "/v1/completions", json=BODY, timeout=30).headers["x-pagedserve-replica"]
+                  for _ in range(2)}
+        assert served == {"r0", "r1"}  # still in the rotation
+
+
+def test_refused_connection_ejects_at_once(cluster, tmp_path):
+    gone = StandInReplica(cluster.replicas[0].url)  # closed below: its port then refuses connections
+    live = cluster.replicas[1].url
+    with RouterProcess(tmp_path, **config([gone.url, live], health_interval_s=30)) as router:
+        router.wait_healthy(["r0", "r1"])
+        gone.close()
+        for _ in range(2):  # round robin: one of the two tries r0 first
+            response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
+            assert response.status_code == 200 and response.headers["x-pagedserve-replica"] == "r1"
+        assert router.replica_states() == {"r0": False, "r1": True}
+        assert router.metric("pagedserve_router_ejections_total", replica="r0", source="passive") == 1
+        assert router.metric("pagedserve_router_failovers_total", replica="r0") == 1  # one refusal was enough
+
+
+def test_consecutive_timeouts_eject_passively(faulty, tmp_path):
+    with RouterProcess(tmp_path, **config([s.url for s in faulty], health_interval_s=30,
+                                          request_timeout_s=0.5)) as router:
+        router.wait_healthy(["r0", "r1"])
+        faulty[0].fault = "stall"
+        for _ in range(8):
+            response = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
+            assert response.status_code == 200 and response.headers["x-pagedserve-replica"] == "r1"
+            if not router.replica_states()["r0"]:
+                break
+        assert faulty[0].seen == {"stall": 3}  # passive_failures timeouts in a row, no fewer and no more
+        assert router.replica_states() == {"r0": False, "r1": True}
+        assert router.metric("pagedserve_router_ejections_total", replica="r0", source="passive") == 1
+
+
 # --- disconnects and bodies ----------------------------------------------------------------------
 
 def test_client_disconnect_aborts_the_replica_request(cluster, tmp_path):
