@@ -10,6 +10,7 @@ from pathlib import Path
 class EngineConfig:
     model: str | None = None  # GGUF file or Hugging Face folder; None: the packaged SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto | float32 | bfloat16
+    quantization: str = "none"  # none | gguf | int8 | int4 (model/quant.py)
     block_size: int = 16
     kv_cache_memory: str = "512MiB"  # size of the one preallocated KV pool
     max_model_len: int | None = None  # None: the model's context length
@@ -42,7 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=d.model, help="GGUF file or HF folder (default: packaged SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
-                   help="compute dtype; auto picks the faster one measured on this CPU (bfloat16 with AMX)")
+                   help="compute dtype; auto: bfloat16 where the CPU runs it natively (AVX-512, AMX), else float32")
+    g.add_argument("--quantization", default=d.quantization, choices=["none", "gguf", "int8", "int4"],
+                   help="weights: none (dequantized to the dtype), gguf (a GGUF's Q4_0/Q4_1/Q8_0 tensors as "
+                        "stored), int8 (per channel) or int4 (groups of 32) quantized at load from any model")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="size of the KV pool, e.g. 512MiB or 2GiB")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context length cap")

@@ -17,6 +17,8 @@ from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, scor
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
+from pagedserve.model.quant import QUANTIZATIONS
+from pagedserve.model.quant_linear import quantized_bytes
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -74,14 +76,19 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype)
         t0 = time.perf_counter()
-        loaded = load_model(config.model)
+        if config.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {config.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        loaded = load_model(config.model, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.config.name
         self.eos_token_ids = loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
         model = LlamaForCausalLM(loaded.config, loaded.weights.pop("rope_freqs", None))
         model.load_weights(loaded.weights)
+        if config.quantization in ("int8", "int4"):
+            model.quantize_linears(config.quantization)
         model.to(self.dtype).eval()
+        self.weight_bytes = quantized_bytes(model)
         num_blocks = parse_size(config.kv_cache_memory) // ModelRunner.bytes_per_block(
             loaded.config, self.dtype, config.block_size)
         if num_blocks < 1:
@@ -97,8 +104,9 @@ class LLMEngine:
         self.rng = random.Random(config.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        logger.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_name, self.dtype, time.perf_counter() - t0, num_blocks, config.block_size,
+        logger.info("loaded %s (%s, quantization %s, weights %.1f MB resident) in %.1fs: %d KV blocks of %d "
+                    "tokens, max_model_len %d", self.model_name, self.dtype, config.quantization,
+                    self.weight_bytes / 1e6, time.perf_counter() - t0, num_blocks, config.block_size,
                     self.max_model_len)
 
     def _fit_context(self, pool_tokens: int) -> int:

@@ -13,6 +13,8 @@ from pagedserve.model.attention import AttentionMetadata, paged_attention, write
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.linear import Linear, can_pack, pack_linears
 from pagedserve.model.model_config import ModelConfig
+from pagedserve.model.quant import QuantizedWeight, quantize
+from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
 
 
 @dataclass(slots=True)
@@ -149,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fast_path(self, use_kernels: bool) -> None:
         """After loading, in the final dtype: bf16 on CPU prepacks the linears and runs the fused C++ ops."""
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight  # always float, in the model's dtype
         if can_pack(weight.dtype, weight.device):
             pack_linears(self)
         if use_kernels and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
@@ -168,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Weights in HF naming; q/k/v and gate/up are fused into one matmul each."""
+    def load_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+        """Weights in HF naming; q/k/v and gate/up are fused into one matmul each. A QuantizedWeight
+        replaces its Linear (or the embedding, and the head tied to it) by the quantized layer."""
         params = dict(self.named_parameters())
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -182,6 +185,9 @@ class LlamaForCausalLM(nn.Module):
                 key = name.removeprefix("model.")
                 if key == "rope_freqs" or (key == "lm_head.weight" and self.config.tie_word_embeddings):
                     continue
+                if isinstance(w, QuantizedWeight):
+                    self._set_quantized(key, w)
+                    continue
                 if key not in params:
                     raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
                 if params[key].shape != w.shape:
@@ -189,8 +195,41 @@ class LlamaForCausalLM(nn.Module):
                 params[key].copy_(w)
 
 
-def fuse(weights: dict[str, torch.Tensor], fused: str, parts: list[str]) -> None:
+    def _set_quantized(self, key: str, w: QuantizedWeight) -> None:
+        path = key.removesuffix(".weight")
+        module = self.get_submodule(path)
+        if tuple(w.shape) != (module.weight.shape[0], module.weight.shape[1]):
+            raise ValueError(f"weight {key!r} has shape {w.shape}, expected {tuple(module.weight.shape)}")
+        if path == "embed_tokens":
+            self.embed_tokens = QuantEmbedding(w, module.weight.dtype)
+            if self.config.tie_word_embeddings:
+                self.lm_head = QuantLinear(w)
+            return
+        parent, _, name = path.rpartition(".")
+        setattr(self.get_submodule(parent) if parent else self, name, QuantLinear(w, module.bias))
+
+    def quantize_linears(self, mode: str, group: int = 32) -> None:
+        """int8 / int4 from the loaded float weights: every projection, and the LM head. A head tied to the
+        embedding is quantized to int8 whatever the mode (as llama.cpp keeps its output tensor at 6-8 bits:
+        it is the most sensitive matrix) and serves the embedding lookups too."""
+        if self.config.tie_word_embeddings:
+            tied = quantize(self.embed_tokens.weight, "int8")
+            self.embed_tokens = QuantEmbedding(tied, self.embed_tokens.weight.dtype)
+            self.lm_head = QuantLinear(tied)
+        for path, module in list(self.named_modules()):
+            if isinstance(module, Linear):
+                parent, _, name = path.rpartition(".")
+                quantized = QuantLinear(quantize(module.weight, mode, group), module.bias)
+                setattr(self.get_submodule(parent) if parent else self, name, quantized)
+
+
+def fuse(weights: dict[str, torch.Tensor | QuantizedWeight], fused: str, parts: list[str]) -> None:
     missing = [p for p in parts if p not in weights]
     if missing:
         raise ValueError(f"model file lacks {missing[0]!r}")
-    weights[fused] = torch.cat([weights.pop(p) for p in parts], dim=0)
+    tensors = [weights.pop(p) for p in parts]
+    quantized = [isinstance(t, QuantizedWeight) for t in tensors]
+    if all(quantized) and len({(t.bits, t.group, t.mins is None) for t in tensors}) == 1:
+        weights[fused] = QuantizedWeight.cat(tensors)
+    else:  # mixed formats (say Q4_K beside Q6_K) cannot share one kernel call: that projection runs in float
+        weights[fused] = torch.cat([t.dequantize() if q else t for t, q in zip(tensors, quantized)], dim=0)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve.model.model_config import ModelConfig
+from pagedserve.model.quant import GGUF_TYPES, QuantizedWeight, from_gguf
 from pagedserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.n
 class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
-    weights: dict[str, torch.Tensor]  # float32, HF names and layouts
+    weights: dict[str, torch.Tensor | QuantizedWeight]  # HF names and layouts: float32, or as stored (gguf)
 
 
 def default_model_path() -> Path:
@@ -52,12 +53,17 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
-def load_model(model: str | None) -> LoadedModel:
+def load_model(model: str | None, quantization: str = "none") -> LoadedModel:
+    """quantization `gguf` keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored; everything else loads as float32."""
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir():
+        if quantization == "gguf":
+            raise ValueError(f"--quantization gguf needs a GGUF file; {path} is a folder (use int8 or int4)")
         return load_hf_folder(path)
+    if quantization == "gguf":
+        return convert_gguf(path, keep_quantized=True)  # no cache needed: nothing is dequantized
     return load_gguf(path)
 
 
@@ -117,7 +123,7 @@ def load_converted(folder: Path) -> LoadedModel:
     return LoadedModel(ModelConfig(**meta["config"]), tokenizer, load_file(str(folder / "model.safetensors")))
 
 
-def convert_gguf(path: Path) -> LoadedModel:
+def convert_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
     import gguf
 
     try:
@@ -130,16 +136,25 @@ def convert_gguf(path: Path) -> LoadedModel:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
     config = gguf_config(meta, arch, path)
     weights = {}
+    dequantized = set()
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
-        w = torch.from_numpy(dequantize(t))
+        if keep_quantized and t.tensor_type.name in GGUF_TYPES:
+            w = from_gguf(t.data, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)))
+        else:
+            w = torch.from_numpy(dequantize(t))
+            if keep_quantized and len(t.shape) == 2:
+                dequantized.add(t.tensor_type.name)
         if name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute(w, config.num_attention_heads)
+            w = unpermute_rows(w, config.num_attention_heads)
         elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute(w, config.num_key_value_heads)
+            w = unpermute_rows(w, config.num_key_value_heads)
         weights[name] = w
+    if dequantized:
+        logger.warning("%s: tensors of type %s do not run as stored yet (only %s); they run dequantized",
+                       path.name, ", ".join(sorted(dequantized)), ", ".join(GGUF_TYPES))
     if "lm_head.weight" not in weights:
         config.tie_word_embeddings = True
     return LoadedModel(config, Tokenizer.from_gguf_metadata(meta), weights)
@@ -201,6 +216,12 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's interleaving of the rotary halves in the q and k rows."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w: torch.Tensor | QuantizedWeight, n_head: int) -> torch.Tensor | QuantizedWeight:
+    if isinstance(w, QuantizedWeight):
+        return w.rows(unpermute(torch.arange(w.shape[0]), n_head))
+    return unpermute(w, n_head)
 
 
 def load_hf_folder(folder: Path) -> LoadedModel:

@@ -1,0 +1,97 @@
+"""Linear and embedding layers over quantized weights (model/quant.py), on the kernel path this CPU has.
+
+Paths, forced with PAGEDSERVE_QUANT_KERNEL for tests and measurements:
+- `avx2`: our C++ integer-dot kernel (AVX2 maddubs), activations quantized per 32 to int8.
+- `scalar`: the same arithmetic in portable C++ (any CPU the extension builds on).
+- `torch`: dequantize in PyTorch, then F.linear (no C++ compiler).
+Rows of a call beyond DEQUANT_MIN_ROWS (prefill, large batches) are compute-bound: there the weights are
+dequantized into the activation dtype by the C++ kernel and multiplied by oneDNN/MKL.
+"""
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.kernels import cpu_kernels
+from pagedserve.model.quant import QuantizedWeight
+
+PATHS = {"scalar": 0, "avx2": 1}
+DEQUANT_MIN_ROWS = 48  # measured (benchmarks in docs/benchmarks.md): the integer kernel wins below this
+
+
+@cache
+def kernel_path() -> str:
+    """The fastest path built here, or PAGEDSERVE_QUANT_KERNEL when set (an unavailable one is an error)."""
+    kernels = cpu_kernels()
+    built = [] if kernels is None else [name for name, code in PATHS.items() if code in kernels.quant_paths()]
+    available = [*built, "torch"]
+    wanted = os.environ.get("PAGEDSERVE_QUANT_KERNEL", "auto")
+    if wanted == "auto":
+        return available[-2] if built else "torch"
+    if wanted not in available:
+        raise RuntimeError(f"PAGEDSERVE_QUANT_KERNEL={wanted} is not available on this CPU (have: {available})")
+    return wanted
+
+
+def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_rows: int | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T in x's dtype."""
+    if path == "torch":
+        return F.linear(x, w.dequantize().to(x.dtype))
+    kernels = cpu_kernels()
+    x = x.contiguous()
+    if x.shape[0] >= (DEQUANT_MIN_ROWS if dequant_min_rows is None else dequant_min_rows):
+        return F.linear(x, kernels.quant_dequantize(w.qweight, w.scales, w.mins, w.bits, w.group, x.dtype))
+    return kernels.quant_linear(x, w.qweight, w.scales, w.mins, w.bits, w.group, PATHS[path])
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is a QuantizedWeight. The weight is a plain attribute, not a buffer, so that
+    model.to(dtype) leaves its fp32 scales alone."""
+
+    def __init__(self, weight: QuantizedWeight, bias: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.bias = bias  # the replaced Linear's own parameter: loading it later still lands here
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = quant_matmul(x, self.qweight, kernel_path())
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else residual + y
+
+    def extra_repr(self) -> str:
+        w = self.qweight
+        return f"in={self.in_features}, out={self.out_features}, {w.source} ({w.bits}-bit, group {w.group})"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding rows dequantized on lookup (GGUF stores the tied embedding as Q8_0)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.rows(ids).dequantize().to(self.dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype  # follows model.to(dtype)
+        return super()._apply(fn, recurse)
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's weights: quantized ones as stored, the rest as they are."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear | QuantEmbedding) and id(module.qweight) not in seen:
+            seen.add(id(module.qweight))
+            total += module.qweight.nbytes
+    params = {id(p): p for p in model.parameters()}
+    return total + sum(p.numel() * p.element_size() for p in params.values())

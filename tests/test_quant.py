@@ -1,0 +1,142 @@
+"""Quantized weights: GGUF blocks converted without loss, int8/int4 quantization bounds, and every kernel path
+against references (the integer arithmetic re-done in PyTorch, and dequantize-then-matmul in fp32)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.model.kernels import cpu_kernels
+from pagedserve.model.quant import QuantizedWeight, from_gguf, quantize
+from pagedserve.model.quant_linear import PATHS, quant_matmul
+
+gguf = pytest.importorskip("gguf")
+
+KERNEL_PATHS = ["torch"] + ([name for name, code in PATHS.items() if code in cpu_kernels().quant_paths()]
+                            if cpu_kernels() is not None else [])
+
+
+def gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
+    """Random weights quantized by the gguf package: our planar copy and the package's own dequantization."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    return from_gguf(raw, type_name, (n, k)), gguf.quants.dequantize(raw, qtype)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (33, 576)])
+def test_gguf_blocks_convert_without_loss(type_name, n, k):
+    ours, theirs = gguf_weight(type_name, n, k)
+    assert ours.shape == (n, k)
+    assert torch.equal(ours.dequantize(), torch.from_numpy(theirs.astype(np.float32)))
+
+
+def test_unsupported_or_truncated_gguf_tensors_are_named():
+    with pytest.raises(ValueError, match="Q5_K"):
+        from_gguf(np.zeros((4, 176), np.uint8), "Q5_K", (4, 256))
+    with pytest.raises(ValueError, match="Q4_1 tensor of shape"):
+        from_gguf(np.zeros((4, 19), np.uint8), "Q4_1", (4, 32))
+
+
+@pytest.mark.parametrize(("mode", "group"), [("int8", 32), ("int4", 32), ("int4", 128)])
+def test_quantization_error_is_within_half_a_step(mode, group):
+    w = torch.randn(40, 256) * torch.linspace(0.1, 3, 40).unsqueeze(1)  # rows of different ranges
+    q = quantize(w, mode, group)
+    step = q.scales.repeat_interleave(q.group, dim=1)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    assert q.nbytes < w.numel() * (1.1 if mode == "int8" else 0.8)
+
+
+def test_quantize_refuses_shapes_it_cannot_hold():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize(torch.randn(4, 40), "int8")
+    with pytest.raises(ValueError, match="group 128"):
+        quantize(torch.randn(4, 96), "int4", 128)
+
+
+def integer_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The kernels' arithmetic in float64: activations quantized per 32 to int8 (round half to even), integer
+    dot products per block, scaled by both scales, plus min times the exact activation sum."""
+    m, k = x.shape
+    blocks32 = x.float().view(m, k // 32, 32)
+    sx32 = blocks32.abs().amax(dim=-1) / 127  # in float32, as the kernels compute it: x * (1 / scale)
+    xq = torch.round(blocks32 * torch.where(sx32 > 0, 1 / sx32, 0).unsqueeze(-1)).double()
+    blocks, sx = blocks32.double(), sx32.double()
+    n = w.shape[0]
+    q = (w.dequantize().double() - (0 if w.mins is None else w.mins.double().repeat_interleave(w.group, 1)))
+    q = q / w.scales.double().repeat_interleave(w.group, 1)
+    q = torch.round(q).view(n, k // 32, 32)
+    dots = torch.einsum("mbi,nbi->mnb", xq, q)
+    sw = w.scales.double().repeat_interleave(w.group // 32, 1)
+    y = (dots * sx.unsqueeze(1) * sw.unsqueeze(0)).sum(-1)
+    if w.mins is not None:
+        mw = w.mins.double().repeat_interleave(w.group // 32, 1)
+        y = y + (blocks.sum(-1).unsqueeze(1) * mw.unsqueeze(0)).sum(-1)
+    return y
+
+
+WEIGHTS = {
+    "Q4_0": lambda n, k: gguf_weight("Q4_0", n, k)[0],
+    "Q4_1": lambda n, k: gguf_weight("Q4_1", n, k)[0],
+    "Q8_0": lambda n, k: gguf_weight("Q8_0", n, k)[0],
+    "int8": lambda n, k: quantize(torch.randn(n, k), "int8"),
+    "int4-g32": lambda n, k: quantize(torch.randn(n, k), "int4", 32),
+    "int4-g128": lambda n, k: quantize(torch.randn(n, k), "int4", 128),
+}
+
+
+@pytest.mark.parametrize("path", [p for p in KERNEL_PATHS if p != "torch"])
+@pytest.mark.parametrize("fmt", list(WEIGHTS))
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 7, 128), (7, 33, 256), (64, 300, 384), (300, 5, 128)])
+def test_integer_kernels_match_their_arithmetic(path, fmt, m, n, k):
+    torch.manual_seed(m * n + k)
+    w = WEIGHTS[fmt](n, k)
+    x = torch.randn(m, k)
+    x[0, :32] = 0  # an all-zero block has scale 0
+    y = quant_matmul(x, w, path, dequant_min_rows=1 << 30)
+    ref = integer_reference(x, w)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    # A value on a rounding boundary may land one step apart (the compiler may turn x / 127 into a multiply):
+    # allow two such steps of the largest activation scale times the largest weight, a tiny fraction of |y|.
+    step = x.abs().max().item() / 127 * w.dequantize().abs().max().item()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=2 * step)
+    exact = x @ w.dequantize().T  # and within activation-quantization error of the exact product
+    assert (y - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "int4-g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantized_path_is_the_float_product(path, fmt, dtype):
+    w = WEIGHTS[fmt](45, 256)
+    x = torch.randn(70, 256).to(dtype)
+    y = quant_matmul(x, w, path, dequant_min_rows=1)
+    ref = x.float() @ w.dequantize().T
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-1 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("path", [p for p in KERNEL_PATHS if p != "torch"])
+def test_bf16_activations_on_the_integer_path(path):
+    w = WEIGHTS["Q4_1"](64, 256)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    y = quant_matmul(x, w, path, dequant_min_rows=1 << 30)
+    assert y.dtype == torch.bfloat16
+    step = x.abs().max().item() / 127 * w.dequantize().abs().max().item()
+    torch.testing.assert_close(y.double(), integer_reference(x.float(), w), rtol=1e-2, atol=2 * step)
+
+
+def test_kernel_path_can_be_forced_and_refuses_what_is_missing(monkeypatch):
+    from pagedserve.model import quant_linear
+
+    for name in KERNEL_PATHS:
+        quant_linear.kernel_path.cache_clear()
+        monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", name)
+        assert quant_linear.kernel_path() == name
+    quant_linear.kernel_path.cache_clear()
+    monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", "avx1024")
+    with pytest.raises(RuntimeError, match="avx1024"):
+        quant_linear.kernel_path()
+    quant_linear.kernel_path.cache_clear()
