@@ -8,11 +8,14 @@ POST /_mode {"mode": M}:
   bad-event   a stream whose second event is a JSON array, not an object
   bad-first   a stream whose first event is a JSON number
   no-usage    a non-streamed answer without usage
-GET /_mode shows the mode and how many completions were asked.
+  fail        a 500 (a provider that is down)
+  hang        no answer until the caller gives up (a provider that times out); counted as abandoned
+GET /_mode shows the mode, how many completions were asked and how many callers gave up.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 
@@ -45,7 +48,7 @@ def events(kind: str, mode: str):
 
 
 def build() -> Starlette:
-    state = {"mode": "ok", "requests": 0}
+    state = {"mode": "ok", "requests": 0, "abandoned": 0}
 
     async def mode(request: Request) -> Response:
         if request.method == "POST":
@@ -56,6 +59,13 @@ def build() -> Starlette:
         state["requests"] += 1
         kind = "chat" if request.url.path.endswith("/chat/completions") else "completions"
         body = await request.json()
+        if state["mode"] == "fail":
+            return JSONResponse({"error": {"message": "stub is down", "type": "server_error"}}, status_code=500)
+        if state["mode"] == "hang":
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+            state["abandoned"] += 1
+            return Response(status_code=499)
         if state["mode"] == "binary-4xx":
             return Response(b"\xff\xfe\x80 bad request \xc3\x28", status_code=400, media_type="application/octet-stream")
         if body.get("stream"):

@@ -109,6 +109,8 @@ class Gateway:
                 await self.settlement.settle(call, None, {})
             trace.finish(e.status if isinstance(e, APIError) else 500, str(e))
             self.traces.write(trace)
+            if isinstance(e, APIError):  # an error names its trace too, as every answer does
+                e.headers = {**e.headers, "x-gateway-trace-id": trace.trace_id}
             raise
         finally:
             if speculation is not None:  # the lookup or the classifier failed
