@@ -56,11 +56,11 @@ def test_quantize_refuses_shapes_it_cannot_hold():
 
 
 def integer_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """The kernels' arithmetic in float64: activations quantized per 32 to int8 (round half to even), integer
+    """The kernels' arithmetic in float64: activations quantized per 32 to int16 (round half to even), integer
     dot products per block, scaled by both scales, plus min times the exact activation sum."""
     m, k = x.shape
     blocks32 = x.float().view(m, k // 32, 32)
-    sx32 = blocks32.abs().amax(dim=-1) / 127  # in float32, as the kernels compute it: x * (1 / scale)
+    sx32 = blocks32.abs().amax(dim=-1) / 32767  # in float32, as the kernels compute it: x * (1 / scale)
     xq = torch.round(blocks32 * torch.where(sx32 > 0, 1 / sx32, 0).unsqueeze(-1)).double()
     blocks, sx = blocks32.double(), sx32.double()
     n = w.shape[0]
@@ -99,10 +99,10 @@ def test_integer_kernels_match_their_arithmetic(path, fmt, m, n, k):
     assert y.dtype == torch.float32 and y.shape == (m, n)
     # A value on a rounding boundary may land one step apart (the compiler may turn x / 127 into a multiply):
     # allow two such steps of the largest activation scale times the largest weight, a tiny fraction of |y|.
-    step = x.abs().max().item() / 127 * w.dequantize().abs().max().item()
-    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=2 * step)
+    step = x.abs().max().item() / 32767 * w.dequantize().abs().max().item()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=2 * step + 1e-4)
     exact = x @ w.dequantize().T  # and within activation-quantization error of the exact product
-    assert (y - exact).norm() / exact.norm() < 0.02
+    assert (y - exact).norm() / exact.norm() < 1e-3
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
@@ -124,8 +124,7 @@ def test_bf16_activations_on_the_integer_path(path):
     x = torch.randn(3, 256).to(torch.bfloat16)
     y = quant_matmul(x, w, path, dequant_min_rows=1 << 30)
     assert y.dtype == torch.bfloat16
-    step = x.abs().max().item() / 127 * w.dequantize().abs().max().item()
-    torch.testing.assert_close(y.double(), integer_reference(x.float(), w), rtol=1e-2, atol=2 * step)
+    torch.testing.assert_close(y.double(), integer_reference(x.float(), w), rtol=1e-2, atol=1e-2)
 
 
 def test_kernel_path_can_be_forced_and_refuses_what_is_missing(monkeypatch):
