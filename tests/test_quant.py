@@ -139,3 +139,66 @@ def test_kernel_path_can_be_forced_and_refuses_what_is_missing(monkeypatch):
     with pytest.raises(RuntimeError, match="avx1024"):
         quant_linear.kernel_path()
     quant_linear.kernel_path.cache_clear()
+
+
+# --- the engine and the server in each mode ---------------------------------------------------------------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of robotics are"]
+
+
+@pytest.fixture(scope="module")
+def fp32_reference() -> list[list[int]]:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# gguf runs the reference's own weights (only the arithmetic differs): whole answers agree. int8 / int4 are
+# re-quantized from them: greedy paths may part after a few tokens, so the bound is a prefix.
+@pytest.mark.parametrize(("mode", "bound"), [("gguf", 24), ("int8", 4), ("int4", 4)])
+def test_engine_greedy_agrees_with_fp32_per_mode(fp32_reference, mode, bound):
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", quantization=mode, kv_cache_memory="64MiB")
+    assert llm.engine.weights_info["quantization"] == mode
+    assert llm.engine.weight_bytes < (150e6 if mode == "gguf" else 300e6)  # fp32 is 538 MB
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    prefixes = [matching_prefix(o.outputs[0].token_ids, ref) for o, ref in zip(outs, fp32_reference)]
+    assert sorted(prefixes)[1] >= bound, prefixes  # all but one prompt agree at least this far
+
+
+def test_gguf_mode_needs_a_gguf_and_names_modes():
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
+        LLMEngine(EngineConfig(quantization="fp4"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["gguf", "int4"])
+def test_server_answers_in_each_mode(mode):
+    import httpx
+    import openai
+
+    from tests.server_support import ServerProcess
+
+    server = ServerProcess(["--quantization", mode, "--kv-cache-memory", "64MiB", "--embedding-model", "none"])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        card = client.models.list().data[0]
+        assert card.model_extra["quantization"] == mode
+        answer = client.chat.completions.create(model=card.id, messages=[{"role": "user", "content": "Say hi"}],
+                                                max_tokens=8, temperature=0)
+        assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert f'quantization="{mode}"' in metrics
+        assert "pagedserve_model_weight_bytes" in metrics
+    finally:
+        server.stop()

@@ -18,7 +18,7 @@ from pagedserve.engine.scheduler import Scheduler
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import QUANTIZATIONS
-from pagedserve.model.quant_linear import quantized_bytes
+from pagedserve.model.quant_linear import kernel_path, quantized_bytes
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -89,6 +89,9 @@ class LLMEngine:
             model.quantize_linears(config.quantization)
         model.to(self.dtype).eval()
         self.weight_bytes = quantized_bytes(model)
+        self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": config.quantization,
+                             "quant_kernel": kernel_path() if config.quantization != "none" else "none",
+                             "weight_bytes": self.weight_bytes}
         num_blocks = parse_size(config.kv_cache_memory) // ModelRunner.bytes_per_block(
             loaded.config, self.dtype, config.block_size)
         if num_blocks < 1:

@@ -62,9 +62,7 @@ def load_model(model: str | None, quantization: str = "none") -> LoadedModel:
         if quantization == "gguf":
             raise ValueError(f"--quantization gguf needs a GGUF file; {path} is a folder (use int8 or int4)")
         return load_hf_folder(path)
-    if quantization == "gguf":
-        return convert_gguf(path, keep_quantized=True)  # no cache needed: nothing is dequantized
-    return load_gguf(path)
+    return load_gguf(path, keep_quantized=quantization == "gguf")
 
 
 def gguf_metadata(reader) -> dict:
@@ -80,14 +78,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
 
 
-def load_gguf(path: Path) -> LoadedModel:
-    """Parsing and dequantizing a GGUF takes seconds in Python, so the result is cached as safetensors."""
+def load_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
+    """Parsing a GGUF's metadata (and dequantizing it) takes seconds in Python, so the result is cached as
+    safetensors: float32 tensors, or the planar quantized ones when they are kept."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v1".encode()).hexdigest()[:16]
-    cached = cache_dir() / f"{path.stem}-{key}"
+    cached = cache_dir() / f"{path.stem}-{key}{'-gguf' if keep_quantized else ''}"
     if (cached / "done").exists():
         return load_converted(cached)
-    loaded = convert_gguf(path)
+    loaded = convert_gguf(path, keep_quantized)
     try:
         save_converted(loaded, cached)
     except OSError as e:  # a read-only home is fine: we just convert again next time
@@ -100,11 +99,19 @@ def save_converted(m: LoadedModel, target: Path) -> None:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    save_file({k: v.contiguous() for k, v in m.weights.items()}, str(tmp / "model.safetensors"))
+    tensors, quantized = {}, {}
+    for name, w in m.weights.items():
+        if isinstance(w, QuantizedWeight):
+            quantized[name] = {"bits": w.bits, "group": w.group, "source": w.source}
+            tensors |= {f"{name}:{part}": t for part in ("qweight", "scales", "mins")
+                        if (t := getattr(w, part)) is not None}
+        else:
+            tensors[name] = w.contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"))
     m.tokenizer.backend.save(str(tmp / "tokenizer.json"))
     tok = {"eos_token_ids": m.tokenizer.eos_token_ids, "bos_token_id": m.tokenizer.bos_token_id,
            "chat_template": m.tokenizer.chat_template, "add_bos": m.tokenizer.add_bos}
-    (tmp / "meta.json").write_text(json.dumps({"config": asdict(m.config), "tokenizer": tok}))
+    (tmp / "meta.json").write_text(json.dumps({"config": asdict(m.config), "tokenizer": tok, "quantized": quantized}))
     (tmp / "done").touch()
     try:
         tmp.rename(target)
@@ -120,7 +127,11 @@ def load_converted(folder: Path) -> LoadedModel:
     tok = meta["tokenizer"]
     tokenizer = Tokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), tok["eos_token_ids"],
                           tok["bos_token_id"], tok["chat_template"], tok["add_bos"])
-    return LoadedModel(ModelConfig(**meta["config"]), tokenizer, load_file(str(folder / "model.safetensors")))
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, q in meta.get("quantized", {}).items():
+        weights[name] = QuantizedWeight(weights.pop(f"{name}:qweight"), weights.pop(f"{name}:scales"),
+                                        weights.pop(f"{name}:mins", None), q["bits"], q["group"], q["source"])
+    return LoadedModel(ModelConfig(**meta["config"]), tokenizer, weights)
 
 
 def convert_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:

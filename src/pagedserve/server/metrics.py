@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -111,6 +111,14 @@ class ServerMetrics:
 
     def watch_engine(self, get_stats: Callable[[], Any]) -> None:
         self.registry.register(EngineStatsCollector(get_stats, self.model_name))
+
+    def describe_weights(self, info: dict) -> None:
+        """What runs: an info gauge (vLLM's cache_config_info style) and the weights' resident bytes."""
+        labels = {"model_name": self.model_name, **{k: str(info[k]) for k in ("dtype", "quantization", "quant_kernel")}}
+        Gauge("pagedserve_model_info", "the model's dtype, weight quantization and kernel path (value 1)",
+              list(labels), registry=self.registry).labels(**labels).set(1)
+        Gauge("pagedserve_model_weight_bytes", "resident bytes of the model's weights", ["model_name"],
+              registry=self.registry).labels(self.model_name).set(info["weight_bytes"])
 
     def watch_admission(self, admission: Any) -> None:
         self.registry.register(AdmissionCollector(admission))

@@ -58,6 +58,7 @@ def create_app(state: ServerState, api_key: str | None = None,
                   description="OpenAI-compatible API over pagedserve's paged-KV engine.")
     install_error_handlers(app)
     state.metrics.watch_engine(lambda: state.engine.stats)
+    state.metrics.describe_weights(state.engine.engine.weights_info)
     state.metrics.watch_admission(state.admission)
     app.include_router(_api_routes(state, [] if api_key is None else [Depends(_auth_dependency(api_key))]))
     app.include_router(_open_routes(state))
@@ -155,7 +156,9 @@ async def _respond(work, ctx: RequestContext) -> Response:
 
 
 def _model_cards(state: ServerState) -> list[ModelCard]:
-    cards = [ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len)]
+    info = state.engine.engine.weights_info
+    cards = [ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len, dtype=info["dtype"],
+                       quantization=info["quantization"])]
     if state.embedder is not None:
         cards.append(ModelCard(id=state.embedder.model_name, max_model_len=state.embedder.max_seq_length))
     return cards

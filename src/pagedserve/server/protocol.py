@@ -302,6 +302,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
     max_model_len: int | None = None
+    dtype: str | None = None  # the LLM's compute dtype
+    quantization: str | None = None  # the LLM's weights: none | gguf | int8 | int4
 
 
 class ModelList(BaseModel):
