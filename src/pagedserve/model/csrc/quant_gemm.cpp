@@ -118,7 +118,56 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// A weight row widened to int16 once (into an L1-resident buffer), whatever the number of activation rows.
+inline void widen_row(const uint8_t* wrow, int64_t bits, int64_t blocks, int16_t* out) {
+  const int64_t block_bytes = bits == 4 ? kBlock / 2 : kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Weights16 w = load_weights(wrow + b * block_bytes, bits);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kBlock), w.lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kBlock + 16), w.hi);
+  }
+}
+
+// One widened weight row against MR activation rows, accumulators in registers. Groups outer, blocks inner:
+// no division per block.
+template <int MR>
+inline void rows_avx2(const int16_t* wrow, const float* srow, int64_t groups, int64_t per_group,
+                      const QuantizedRows& xq, int64_t r0, int64_t k, float* out) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MR];
+  const float* sx[MR];
+  const int16_t* xr[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    sx[i] = xq.scale.data() + (r0 + i) * blocks;
+    xr[i] = xq.q.data() + (r0 + i) * k;
+  }
+  for (int64_t g = 0, b = 0; g < groups; ++g) {
+    const float sw = srow[g];
+    for (int64_t e = b + per_group; b < e; ++b) {
+      const __m256i* wv = reinterpret_cast<const __m256i*>(wrow + b * kBlock);
+      const Weights16 w{_mm256_loadu_si256(wv), _mm256_loadu_si256(wv + 1)};
+      for (int i = 0; i < MR; ++i) {
+        const __m256i d = dot_block_avx2(w, xr[i] + b * kBlock);
+        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sw * sx[i][b]), _mm256_cvtepi32_ps(d), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i] = hsum(acc[i]);
+}
 #endif
+
+// sum over groups of min * (sum of the activations in the group): the asymmetric part of a 4-bit product.
+inline float min_term(const float* mrow, const float* xsum, int64_t groups, int64_t per_group) {
+  float total = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    float s = 0.f;
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) s += xsum[b];
+    total += mrow[g] * s;
+  }
+  return total;
+}
 
 void check_weights(const torch::Tensor& qweight, const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
                    int64_t bits, int64_t group, int64_t k) {
@@ -165,47 +214,47 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   float* y = out.data_ptr<float>();
   // Rows per task: enough weight bytes that waking a thread pays for itself.
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, row_bytes));
+  const int64_t groups = k / group;
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc_min(m);
-#if defined(__AVX2__)
-    std::vector<__m256> acc(path == kAvx2 ? m : 0);
-#endif
-    std::vector<float> acc_scalar(m);
+    float part[4];
+    std::vector<int16_t> widened(path == kScalar ? 0 : k);
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* wrow = wq + row * row_bytes;
-      const float* srow = ws + row * (k / group);
-      const float* mrow = wm ? wm + row * (k / group) : nullptr;
-      std::fill(acc_min.begin(), acc_min.end(), 0.f);
-      std::fill(acc_scalar.begin(), acc_scalar.end(), 0.f);
+      const float* srow = ws + row * groups;
+      const float* mrow = wm ? wm + row * groups : nullptr;
 #if defined(__AVX2__)
-      if (path == kAvx2) {
-        for (auto& a : acc) a = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-          const Weights16 w = load_weights(wrow + b * block_bytes, bits);
-          const float sw = srow[b / per_group];
-          for (int64_t r = 0; r < m; ++r) {
-            const __m256i d = dot_block_avx2(w, xq.q.data() + r * k + b * kBlock);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sw * xq.scale[r * blocks + b]), _mm256_cvtepi32_ps(d), acc[r]);
-          }
-          if (mrow) {
-            const float mw = mrow[b / per_group];
-            for (int64_t r = 0; r < m; ++r) acc_min[r] += mw * xq.sum[r * blocks + b];
-          }
-        }
-        for (int64_t r = 0; r < m; ++r) y[r * n + row] = hsum(acc[r]) + acc_min[r];
-        continue;
-      }
+      if (path == kAvx2) widen_row(wrow, bits, blocks, widened.data());
 #endif
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* w = wrow + b * block_bytes;
-        const float sw = srow[b / per_group], mw = mrow ? mrow[b / per_group] : 0.f;
-        for (int64_t r = 0; r < m; ++r) {
-          const int32_t d = dot_block_scalar(w, xq.q.data() + r * k + b * kBlock, bits);
-          acc_scalar[r] += sw * xq.scale[r * blocks + b] * static_cast<float>(d);
-          acc_min[r] += mw * xq.sum[r * blocks + b];
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, m - r0);
+#if defined(__AVX2__)
+        if (path == kAvx2) {
+          const int16_t* wr = widened.data();
+          switch (mr) {
+            case 4: rows_avx2<4>(wr, srow, groups, per_group, xq, r0, k, part); break;
+            case 3: rows_avx2<3>(wr, srow, groups, per_group, xq, r0, k, part); break;
+            case 2: rows_avx2<2>(wr, srow, groups, per_group, xq, r0, k, part); break;
+            default: rows_avx2<1>(wr, srow, groups, per_group, xq, r0, k, part);
+          }
+        }
+#endif
+        if (path == kScalar) {
+          for (int64_t i = 0; i < mr; ++i) {
+            const int16_t* xr = xq.q.data() + (r0 + i) * k;
+            const float* sx = xq.scale.data() + (r0 + i) * blocks;
+            float acc = 0.f;
+            for (int64_t b = 0; b < blocks; ++b) {
+              acc += srow[b / per_group] * sx[b] *
+                     static_cast<float>(dot_block_scalar(wrow + b * block_bytes, xr + b * kBlock, bits));
+            }
+            part[i] = acc;
+          }
+        }
+        for (int64_t i = 0; i < mr; ++i) {
+          const float shift = mrow ? min_term(mrow, xq.sum.data() + (r0 + i) * blocks, groups, per_group) : 0.f;
+          y[(r0 + i) * n + row] = part[i] + shift;
         }
       }
-      for (int64_t r = 0; r < m; ++r) y[r * n + row] = acc_scalar[r] + acc_min[r];
     }
   });
   return x.scalar_type() == torch::kFloat ? out : out.to(torch::kBFloat16);
@@ -222,27 +271,42 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, c10:
   const float* ws = scales.data_ptr<float>();
   const float* wm = mins ? mins->data_ptr<float>() : nullptr;
   const int64_t row_bytes = qweight.size(1), groups = k / group;
+  const int64_t per_group = group / kBlock, block_bytes = bits == 4 ? kBlock / 2 : kBlock;
   at::parallel_for(0, n, std::max<int64_t>(1, (1 << 14) / k), [&](int64_t begin, int64_t end) {
-    std::vector<float> row_values(k);
+    std::vector<float> values(k);
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* w = wq + row * row_bytes;
-      for (int64_t i = 0; i < k; ++i) {
-        int32_t q;
-        if (bits == 4) {
-          const int64_t block = i / kBlock, j = i % kBlock;
-          const uint8_t byte = w[block * (kBlock / 2) + (j % 16)];
-          q = j < 16 ? (byte & 0xF) : (byte >> 4);
-        } else {
-          q = reinterpret_cast<const int8_t*>(w)[i];
+      for (int64_t b = 0; b < k / kBlock; ++b) {
+        const int64_t g = row * groups + b / per_group;
+        const float sw = ws[g], mw = wm ? wm[g] : 0.f;
+        const uint8_t* wb = w + b * block_bytes;
+        float* v = values.data() + b * kBlock;
+#if defined(__AVX2__)
+        const Weights16 q = load_weights(wb, bits);
+        const __m256 scale = _mm256_set1_ps(sw), shift = _mm256_set1_ps(mw);
+        const __m128i parts[4] = {_mm256_castsi256_si128(q.lo), _mm256_extracti128_si256(q.lo, 1),
+                                  _mm256_castsi256_si128(q.hi), _mm256_extracti128_si256(q.hi, 1)};
+        for (int j = 0; j < 4; ++j) {
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(parts[j]));
+          _mm256_storeu_ps(v + 8 * j, _mm256_fmadd_ps(scale, f, shift));
         }
-        const int64_t g = row * groups + i / group;
-        row_values[i] = ws[g] * static_cast<float>(q) + (wm ? wm[g] : 0.f);
+        continue;
+#endif
+        if (bits == 4) {
+          for (int j = 0; j < 16; ++j) {
+            v[j] = sw * static_cast<float>(wb[j] & 0xF) + mw;
+            v[j + 16] = sw * static_cast<float>(wb[j] >> 4) + mw;
+          }
+        } else {
+          const int8_t* q = reinterpret_cast<const int8_t*>(wb);
+          for (int j = 0; j < kBlock; ++j) v[j] = sw * static_cast<float>(q[j]);
+        }
       }
       if (dtype == torch::kFloat) {
-        std::memcpy(out.data_ptr<float>() + row * k, row_values.data(), sizeof(float) * k);
+        std::memcpy(out.data_ptr<float>() + row * k, values.data(), sizeof(float) * k);
       } else {
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + row * k;
-        for (int64_t i = 0; i < k; ++i) o[i] = float_to_bf16_bits(row_values[i]);
+        for (int64_t i = 0; i < k; ++i) o[i] = float_to_bf16_bits(values[i]);
       }
     }
   });
