@@ -17,10 +17,23 @@ from pagedserve.bench.measure import log
 from pagedserve.bench.report import REPO, machine_line, write_section
 from pagedserve.bench.workloads import corpus_tokens
 
-# (label, engine settings); the first row is the reference the others are measured against.
+INTEGER_ONLY = 1 << 30  # dequant_min_rows that keeps every call on the integer kernel (the decode arithmetic)
+# (label, engine settings); the first row is the reference the others are measured against. Windows are
+# prefills, which run quantized weights through dequantize + GEMM; the "integer kernel" rows force the
+# decode path's arithmetic (activations quantized per 32 to int16) onto every position instead.
 MODES = [("fp32 (reference)", {"dtype": "float32"}),
-         ("bf16 (default)", {"dtype": "bfloat16"})]
-BUDGET = {"bf16 (default)": 0.01}  # largest allowed relative increase in perplexity
+         ("bf16", {"dtype": "bfloat16"}),
+         ("gguf (Q4_1 / Q8_0 as stored), fp32", {"dtype": "float32", "quantization": "gguf"}),
+         ("gguf, integer kernel at every position", {"dtype": "float32", "quantization": "gguf",
+                                                     "dequant_min_rows": INTEGER_ONLY}),
+         ("int8 (per channel), fp32", {"dtype": "float32", "quantization": "int8"}),
+         ("int4 (groups of 32), fp32", {"dtype": "float32", "quantization": "int4"}),
+         ("int4, integer kernel at every position", {"dtype": "float32", "quantization": "int4",
+                                                     "dequant_min_rows": INTEGER_ONLY})]
+# Largest allowed relative increase in perplexity (issue 15's budget for each mode).
+BUDGET = {"bf16": 0.01, "gguf (Q4_1 / Q8_0 as stored), fp32": 0.005, "gguf, integer kernel at every position": 0.005,
+          "int8 (per channel), fp32": 0.01, "int4 (groups of 32), fp32": 0.05,
+          "int4, integer kernel at every position": 0.05}
 
 
 @dataclass
@@ -41,12 +54,19 @@ def windows(tokens: list[int], size: int) -> list[list[int]]:
 def score(settings: dict, chunks: list[list[int]]) -> Scored:
     """Every position of every window but the first of each (nothing to predict it from)."""
     from pagedserve import LLM, SamplingParams
+    from pagedserve.model import quant_linear
 
+    settings = dict(settings)
+    crossover = settings.pop("dequant_min_rows", quant_linear.DEQUANT_MIN_ROWS)
     llm = LLM(**{"kv_cache_memory": "512MiB", **settings})
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
-                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
-    seconds = time.perf_counter() - start
+    default, quant_linear.DEQUANT_MIN_ROWS = quant_linear.DEQUANT_MIN_ROWS, crossover
+    try:
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
+                            SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+        seconds = time.perf_counter() - start
+    finally:
+        quant_linear.DEQUANT_MIN_ROWS = default
     logprobs, top1 = [], []
     for chunk, out in zip(chunks, outs, strict=True):
         for i in range(1, len(chunk)):
@@ -91,7 +111,7 @@ def render(results: dict[str, Scored], args: argparse.Namespace, num_tokens: int
              machine_line(), "",
              (f"Text: the first {num_tokens:,} tokens of the standard library's documentation (ships with Python), "
               f"{num_windows} windows of {args.window}; {len(ref.logprobs):,} scored positions. Same GGUF weights "
-              f"in every row."), "",
+              f"in every row (int8 / int4 re-quantize them)."), "",
              "| mode | perplexity | vs fp32 | budget | top-1 agreement with fp32 | scoring time (s) |",
              "|---|---|---|---|---|---|"]
     failures = []

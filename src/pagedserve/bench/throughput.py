@@ -147,7 +147,7 @@ class Comparison:
 
 
 # `pagedserve bench all --quick`: every part of this benchmark, at a scale of seconds.
-QUICK = ["--scale", "0.05", "--repeats", "1", "--peer-dtype", "float32"]
+QUICK = ["--scale", "0.05", "--length-scale", "0.125", "--repeats", "1", "--peer-dtype", "float32"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,6 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="transformers' dtype; auto: probe both on a small batch and keep the faster")
     p.add_argument("--scale", type=float, default=1.0, help="scale request counts (e.g. 0.25 for a quick look)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="scale prompt and output lengths (smoke runs only: the tables use 1)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of pagedserve and of the peer's best setting per workload, order alternating")
     p.add_argument("--no-peer", action="store_true", help="skip transformers (no ratios)")
@@ -181,6 +183,14 @@ def pick_peer_dtype(tokens: list[int], choice: str) -> tuple[object, str]:
                             ", ".join(f"{k} {v[0]:.0f} tok/s" for k, v in rates.items()) + f"; it runs in {best}.")
 
 
+def shorter(jobs: list[Job], scale: float) -> list[Job]:
+    """The same jobs with prompts and outputs cut to `scale` of their length (for smoke runs)."""
+    if scale == 1:
+        return jobs
+    return [Job(j.prompt_token_ids[:max(4, int(len(j.prompt_token_ids) * scale))], max(4, int(j.max_tokens * scale)))
+            for j in jobs]
+
+
 def run_args(args: argparse.Namespace) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
 
@@ -194,6 +204,7 @@ def run_args(args: argparse.Namespace) -> int:
     eng = engine()
     tokens = corpus_tokens(eng.tokenizer)
     n = lambda k: max(1, int(k * args.scale))
+    ln = lambda k: max(4, int(k * args.length_scale))
     peer, notes = None, []
     if not args.no_peer:
         peer, note = pick_peer_dtype(tokens, args.peer_dtype)
@@ -211,8 +222,8 @@ def run_args(args: argparse.Namespace) -> int:
             return run_engine(eng, jobs, waste)
         return run
 
-    for name, jobs in (("W1", w1(tokens, n(64)) if "w1" in todo else None),
-                       ("MIX", mix(tokens, n(128)) if "mix" in todo else None)):
+    for name, jobs in (("W1", w1(tokens, n(64), ln(128), ln(128)) if "w1" in todo else None),
+                       ("MIX", shorter(mix(tokens, n(128)), args.length_scale) if "mix" in todo else None)):
         if jobs is None:
             continue
         log(f"{name}: {len(jobs)} requests")
@@ -237,7 +248,7 @@ def run_args(args: argparse.Namespace) -> int:
             notes.append(f"{name} peer settings, output tok/s (first run each): " + "; ".join(
                 f"{label} {runs[0].output_tps:.0f}" for label, runs in cmp.peer.items()) + ".")
     if "prefix" in todo:
-        jobs = prefix(tokens, n(64))
+        jobs = prefix(tokens, n(64), ln(1024), ln(32), ln(32))
         medians = {}
         for caching in (True, False):
             e = engine(enable_prefix_caching=caching)
@@ -247,7 +258,7 @@ def run_args(args: argparse.Namespace) -> int:
         rows.append(("PREFIX", "median TTFT ms (lower is better)", [medians[True]], [medians[False]],
                      "peer = pagedserve with prefix caching off"))
     if "single" in todo:
-        job, single = w1(tokens, 1)[0], engine()
+        job, single = w1(tokens, 1, ln(128), ln(128))[0], engine()
         ours_single, peer_single = [], []
         for r in range(max(args.repeats, 3)):
             first_ours = r % 2 == 0 or peer is None
@@ -275,6 +286,7 @@ def run_args(args: argparse.Namespace) -> int:
 def render(rows, notes, problems, args) -> str:
     flags = f"--workloads {args.workloads} --dtype {args.dtype} --repeats {args.repeats}"
     flags += "" if args.scale == 1 else f" --scale {args.scale}"
+    flags += "" if args.length_scale == 1 else f" --length-scale {args.length_scale}"
     lines = [f"Command: `pagedserve bench throughput {flags}`", "", machine_line(), "",
              "| workload | metric | pagedserve | peer (best setting) | ratio of medians | peer is |",
              "|---|---|---|---|---|---|"]
