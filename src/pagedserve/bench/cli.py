@@ -18,6 +18,7 @@ BENCHMARKS = {
     "routing": "routing policies over 4 replicas (and a labelled simulation mode)",
     "gateway": "gateway overhead, semantic-cache lookup at 100k entries, hit rate",
     "perplexity": "quality: perplexity and top-1 agreement of each numeric mode against fp32",
+    "quantization": "quantized weights: single stream vs llama.cpp, W1 per mode, roofline",
 }
 
 

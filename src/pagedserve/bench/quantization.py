@@ -1,0 +1,141 @@
+"""Quantized-weight speed: `pagedserve bench quantization` (or benchmarks/quantization.py).
+
+For each --quantization mode, in one run, with the modes' order alternating between repeats:
+  SINGLE  one 128-token prompt, 128 greedy output tokens: TTFT and ms per output token, beside llama.cpp's
+          llama-bench on the same GGUF with the same threads (tg128 and pp128)
+  W1      64 x (128 in, 128 out), output tok/s, against the first mode (the float path)
+with the roofline of each: weight bytes read per output token (resident weight bytes: a single stream
+reads them all every token) and the GB/s that implies, against this machine's copy bandwidth measured in
+the same run. Greedy outputs of every mode are compared with the first mode's (first differing token).
+Quality per mode is `pagedserve bench perplexity`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from pagedserve.bench.measure import agreement, length_problems, log, spread
+from pagedserve.bench.report import REPO, machine_line, write_section
+from pagedserve.bench.servers import default_gguf
+from pagedserve.bench.throughput import run_engine, single_stream
+from pagedserve.bench.workloads import corpus_tokens, w1
+from pagedserve.config import EngineConfig
+
+LLAMA_BENCH = REPO / "build" / "peers" / "llama.cpp" / "build" / "bin" / "llama-bench"
+QUICK = ["--modes", "none,gguf", "--requests", "4", "--length", "16", "--repeats", "1"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--modes", default="none,gguf,int8,int4", help="comma-separated --quantization modes; the "
+                   "first is the baseline of the ratios")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="activations' dtype")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of every system")
+    p.add_argument("--requests", type=int, default=64, help="W1 requests")
+    p.add_argument("--length", type=int, default=128, help="prompt and output tokens of W1 and SINGLE")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over the modes; the order reverses every round")
+    p.add_argument("--llama-bench", default=str(LLAMA_BENCH),
+                   help="llama-bench binary (benchmarks/peers/build_llama_server.sh builds it)")
+    p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md is")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+
+
+def copy_bandwidth_gbs(size_mb: int = 512) -> float:
+    """Best of 5 copies of a buffer far larger than the caches: bytes read + written per second."""
+    import torch
+
+    src = torch.ones(size_mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def llama_bench(binary: str, threads: int, length: int) -> dict[str, float] | None:
+    """llama.cpp on the packaged GGUF: {"tg_ms": ms per generated token, "pp_tps": prompt tokens/s}."""
+    if not Path(binary).is_file():
+        log(f"no llama-bench at {binary} (benchmarks/peers/build_llama_server.sh builds it): peer skipped")
+        return None
+    out = subprocess.run([binary, "-m", str(default_gguf()), "-p", str(length), "-n", str(length), "-t", str(threads),
+                          "-r", "3", "-o", "json"], capture_output=True, text=True, check=True, timeout=900)
+    rows = json.loads(out.stdout)
+    tg = next(r for r in rows if r["n_gen"] > 0)
+    pp = next(r for r in rows if r["n_prompt"] > 0)
+    return {"tg_ms": 1e3 / tg["avg_ts"], "pp_tps": pp["avg_ts"]}
+
+
+def run_args(args: argparse.Namespace) -> int:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    modes = args.modes.split(",")
+    engines = {m: LLMEngine(EngineConfig(dtype=args.dtype, quantization=m, num_threads=args.threads,
+                                         kv_cache_memory="256MiB")) for m in modes}
+    base = engines[modes[0]]
+    tokens = corpus_tokens(base.tokenizer)
+    jobs, single = w1(tokens, args.requests, args.length, args.length), w1(tokens, 1, args.length, args.length)[0]
+    for eng in engines.values():  # the same warm-up for each
+        run_engine(eng, w1(tokens, 4, 16, 16))
+    bandwidth = copy_bandwidth_gbs()
+    log(f"copy bandwidth {bandwidth:.1f} GB/s")
+    singles = {m: [] for m in modes}
+    ttfts = {m: [] for m in modes}
+    tps = {m: [] for m in modes}
+    outputs, problems = {}, []
+    for r in range(args.repeats):
+        for m in (modes if r % 2 == 0 else modes[::-1]):
+            eng = engines[m]
+            ttft, ms = single_stream(eng, single)
+            singles[m].append(ms)
+            ttfts[m].append(ttft * 1e3)
+            eng.kv.reset_prefix_cache()
+            run = run_engine(eng, jobs)
+            tps[m].append(run.output_tps)
+            outputs.setdefault(m, run.outputs)
+            problems += length_problems(f"W1 {m}", run, jobs)
+            log(f"round {r + 1} {m}: single {ms:.1f} ms/token, W1 {run.output_tps:.0f} tok/s")
+    peer = llama_bench(args.llama_bench, args.threads, args.length)
+    body = render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth)
+    print(body)
+    if problems:
+        log("the run did not check out; docs/benchmarks.md left alone:\n  " + "\n  ".join(problems))
+        return 1
+    if not args.no_write:
+        write_section("Quantized weights (speed)", body, args.docs / "benchmarks.md")
+    return 0
+
+
+def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
+    modes = list(engines)
+    base_tps = statistics.median(tps[modes[0]])
+    lines = [(f"Command: `pagedserve bench quantization --modes {args.modes} --threads {args.threads} "
+             f"--requests {args.requests} --length {args.length} --repeats {args.repeats}`"), "", machine_line(), "",
+             ("| mode | dtype | weights MB | SINGLE ms/token | SINGLE TTFT ms | weight GB/s at one stream | "
+             f"W1 output tok/s | W1 vs {modes[0]} | greedy vs {modes[0]}: identical, median first difference |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m, eng in engines.items():
+        ms = statistics.median(singles[m])
+        same, n, first = agreement(outputs[m], outputs[modes[0]])
+        lines.append(f"| {m} | {str(eng.dtype).removeprefix('torch.')} | {eng.weight_bytes / 1e6:.0f} | "
+                     f"{spread(singles[m])} | {spread(ttfts[m], '{:.0f}')} | {eng.weight_bytes / ms / 1e6:.1f} | "
+                     f"{spread(tps[m], '{:.0f}')} | {statistics.median(tps[m]) / base_tps:.2f}x | "
+                     f"{same}/{n}, {first:.0f} of {args.length} |")
+    if peer:
+        lines.append(f"| llama.cpp (llama-bench, same GGUF) | - | - | {peer['tg_ms']:.1f} | "
+                     f"{args.length / peer['pp_tps'] * 1e3:.0f} (pp{args.length}) | - | - | - | - |")
+    lines += ["", (f"- Copy bandwidth of this machine in the same run: {bandwidth:.1f} GB/s (read + write). Weight "
+              "GB/s: resident weight bytes / ms per token (a single stream reads every weight each token; the "
+              "KV cache and activations are not counted)."),
+              (f"- Threads: {args.threads} for every system. Figures: median (min-max over the rounds); the modes' "
+              "order reverses every round."),
+              ("- Decode-sized calls (under 8 rows) multiply in integers (activations per 32 as int16); prefill "
+              "and batches from 8 rows dequantize into a float GEMM.")]
+    return "\n".join(lines)
