@@ -45,7 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                    help="compute dtype; auto: bfloat16 where the CPU runs it natively (AVX-512, AMX), else float32")
     g.add_argument("--quantization", default=d.quantization, choices=["none", "gguf", "int8", "int4"],
-                   help="weights: none (dequantized to the dtype), gguf (a GGUF's Q4_0/Q4_1/Q8_0 tensors as "
+                   help="weights: none (dequantized to the dtype), gguf (a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors as "
                         "stored), int8 (per channel) or int4 (groups of 32) quantized at load from any model")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="size of the KV pool, e.g. 512MiB or 2GiB")

@@ -15,8 +15,9 @@ import torch
 
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 GGUF_BLOCK = 32
-# GGUF type name -> (bytes per 32-block, bits, has a min): the types that run as stored.
-GGUF_TYPES = {"Q4_0": (18, 4, False), "Q4_1": (20, 4, True), "Q8_0": (34, 8, False)}
+K_BLOCK = 256  # the K-quants' super-block
+# GGUF type name -> (bytes per block, weights per block): the types that run as stored.
+GGUF_TYPES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
 
 
 @dataclass
@@ -37,15 +38,18 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
 
-    def dequantize(self) -> torch.Tensor:
-        """fp32 [N, K], in plain PyTorch: the reference the kernels are tested against."""
+    def levels(self) -> torch.Tensor:
+        """The stored integers q as fp32 [N, K], in k order."""
         n, k = self.shape
         if self.bits == 4:
             blocks = self.qweight.view(n, k // GGUF_BLOCK, GGUF_BLOCK // 2)
-            q = torch.cat([blocks & 0xF, blocks >> 4], dim=-1).reshape(n, k).float()
-        else:
-            q = self.qweight.float()
-        w = q.view(n, k // self.group, self.group) * self.scales.unsqueeze(-1)
+            return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).reshape(n, k).float()
+        return self.qweight.float()
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K], in plain PyTorch: the reference the kernels are tested against."""
+        n, k = self.shape
+        w = self.levels().view(n, k // self.group, self.group) * self.scales.unsqueeze(-1)
         if self.mins is not None:
             w = w + self.mins.unsqueeze(-1)
         return w.reshape(n, k)
@@ -68,26 +72,64 @@ class QuantizedWeight:
 
 
 def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """A GGUF tensor's raw blocks ([rows, bytes] uint8, as gguf.GGUFReader gives them) in planar layout."""
+    """A GGUF tensor's raw blocks ([rows, bytes] uint8, as gguf.GGUFReader gives them) in planar layout, without
+    loss: Q4_0 / Q4_1 / Q4_K as 4 bits in groups of 32 (a K-quant's 6-bit sub-block scales times its fp16
+    super-block scale are exact in fp32), Q8_0 as 8 bits in groups of 32, Q6_K as 8 bits in groups of 16."""
     if type_name not in GGUF_TYPES:
         raise ValueError(f"GGUF type {type_name} does not run as stored (supported: {', '.join(GGUF_TYPES)})")
-    block_bytes, bits, has_min = GGUF_TYPES[type_name]
+    block_bytes, block = GGUF_TYPES[type_name]
     n, k = shape
-    if k % GGUF_BLOCK or data.size != n * (k // GGUF_BLOCK) * block_bytes:
+    if k % block or data.size != n * (k // block) * block_bytes:
         raise ValueError(f"{type_name} tensor of shape {shape} has {data.size} bytes of data")
-    blocks = np.ascontiguousarray(data).reshape(n, k // GGUF_BLOCK, block_bytes)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    start = 4 if has_min else 2
-    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else None
-    payload = blocks[..., start:].reshape(n, -1)
-    if bits == 8:
-        qweight = torch.from_numpy(payload.copy().view(np.int8))
-    else:
-        qweight = torch.from_numpy(payload.copy())
-        if not has_min:  # Q4_0 stores q - 8: an unsigned q with min = -8 * scale
-            mins = -8.0 * scales
-    return QuantizedWeight(qweight, torch.from_numpy(scales), None if mins is None else torch.from_numpy(mins),
-                           bits, GGUF_BLOCK, type_name)
+    blocks = np.ascontiguousarray(data).reshape(n * (k // block), block_bytes)
+    if type_name == "Q4_K":
+        q, scales, mins = _q4_k(blocks)
+        return _planar_4bit(q.reshape(n, k), scales.reshape(n, -1), mins.reshape(n, -1), type_name)
+    if type_name == "Q6_K":
+        q, scales = _q6_k(blocks)
+        return QuantizedWeight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales.reshape(n, -1)), None, 8,
+                               16, type_name)
+    scales = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32).reshape(n, -1)
+    if type_name == "Q8_0":
+        q = blocks[:, 2:].copy().view(np.int8).reshape(n, k)
+        return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(scales), None, 8, GGUF_BLOCK, type_name)
+    if type_name == "Q4_1":
+        mins = blocks[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32).reshape(n, -1)
+        payload = blocks[:, 4:]
+    else:  # Q4_0 stores q - 8: an unsigned q with min = -8 * scale
+        mins, payload = -8.0 * scales, blocks[:, 2:]
+    return QuantizedWeight(torch.from_numpy(payload.reshape(n, k // 2).copy()), torch.from_numpy(scales),
+                           torch.from_numpy(np.ascontiguousarray(mins)), 4, GGUF_BLOCK, type_name)
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks -> (q [blocks, 256] in k order, scales and mins [blocks, 8] fp32)."""
+    from gguf.quants import Q4_K
+
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (qs & 0x0F).reshape(-1, K_BLOCK), d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks -> (q - 32 as int8 [blocks, 256] in k order, scales [blocks, 16] fp32)."""
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = ((ql & 0x0F).reshape(-1, 2, 4, 32) | ((qh & 0x03).reshape(-1, 2, 4, 32) << 4)).astype(np.int8) - 32
+    scales = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    return q.reshape(-1, K_BLOCK), d * scales
+
+
+def _planar_4bit(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, source: str) -> QuantizedWeight:
+    """4-bit values [N, K] (0..15, k order) packed GGML-style per 32: byte j = q[j] | q[j + 16] << 4."""
+    n, k = q.shape
+    g = q.reshape(n, k // GGUF_BLOCK, 2, GGUF_BLOCK // 2).astype(np.uint8)
+    packed = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales.copy()),
+                           torch.from_numpy(mins.copy()), 4, GGUF_BLOCK, source)
 
 
 def quantize(w: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeight:

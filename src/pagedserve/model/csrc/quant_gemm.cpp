@@ -2,7 +2,8 @@
 //
 // Weights are planar: qweight [N, K] int8 (8 bits) or [N, K/2] uint8 (4 bits: in each 32-wide group, byte j
 // holds k = j in its low nibble and k = j + 16 in its high one, as GGML stores them), scales [N, K/group]
-// fp32 and, for asymmetric 4 bits, mins [N, K/group]: w = scale * q + min.
+// fp32 and, for asymmetric 4 bits, mins [N, K/group]: w = scale * q + min. Groups are multiples of 32, or
+// 16 for 8 bits (GGUF Q6_K's sub-blocks: each 32-block then has a scale per half).
 //
 // Small M (decode) is bandwidth-bound: each weight byte is read once and multiplied in integers against the
 // activations quantized per 32 to int16 (AVX2 madd_epi16), with the exact float sum of each 32 for the min
@@ -156,6 +157,28 @@ inline void rows_avx2(const int16_t* wrow, const float* srow, int64_t groups, in
   }
   for (int i = 0; i < MR; ++i) out[i] = hsum(acc[i]);
 }
+
+// The same with a scale per 16 weights (8 bits, group 16): each half of a block is scaled on its own.
+template <int MR>
+inline void rows_avx2_g16(const int16_t* wrow, const float* srow, const QuantizedRows& xq, int64_t r0, int64_t k,
+                          float* out) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i* wv = reinterpret_cast<const __m256i*>(wrow + b * kBlock);
+    const __m256i lo = _mm256_loadu_si256(wv), hi = _mm256_loadu_si256(wv + 1);
+    for (int i = 0; i < MR; ++i) {
+      const __m256i* xv = reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + i) * k + b * kBlock);
+      const float sx = xq.scale[(r0 + i) * blocks + b];
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(srow[2 * b] * sx),
+                               _mm256_cvtepi32_ps(_mm256_madd_epi16(lo, _mm256_loadu_si256(xv))), acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(srow[2 * b + 1] * sx),
+                               _mm256_cvtepi32_ps(_mm256_madd_epi16(hi, _mm256_loadu_si256(xv + 1))), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i] = hsum(acc[i]);
+}
 #endif
 
 // sum over groups of min * (sum of the activations in the group): the asymmetric part of a 4-bit product.
@@ -172,7 +195,8 @@ inline float min_term(const float* mrow, const float* xsum, int64_t groups, int6
 void check_weights(const torch::Tensor& qweight, const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
                    int64_t bits, int64_t group, int64_t k) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(k % kBlock == 0 && group % kBlock == 0 && k % group == 0, "K and the group must be multiples of 32");
+  TORCH_CHECK(k % kBlock == 0 && (group % kBlock == 0 || (group == 16 && bits == 8)) && k % group == 0,
+              "K must be a multiple of 32 and the group too (or 16, with 8 bits)");
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "qweight and scales must be contiguous");
   TORCH_CHECK(qweight.size(1) == (bits == 4 ? k / 2 : k), "qweight width does not match K");
   TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? torch::kUInt8 : torch::kInt8), "qweight dtype does not match bits");
@@ -205,7 +229,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "kernel path ", path,
               " is not built for this CPU");
   const QuantizedRows xq = quantize_rows(x);
-  const int64_t blocks = k / kBlock, per_group = group / kBlock, row_bytes = qweight.size(1);
+  const int64_t blocks = k / kBlock, per_group = std::max<int64_t>(1, group / kBlock), row_bytes = qweight.size(1);
   const int64_t block_bytes = bits == 4 ? kBlock / 2 : kBlock;
   const uint8_t* wq = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const float* ws = scales.data_ptr<float>();
@@ -230,11 +254,20 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 #if defined(__AVX2__)
         if (path == kAvx2) {
           const int16_t* wr = widened.data();
-          switch (mr) {
+          if (group == 16) {
+            switch (mr) {
+              case 4: rows_avx2_g16<4>(wr, srow, xq, r0, k, part); break;
+              case 3: rows_avx2_g16<3>(wr, srow, xq, r0, k, part); break;
+              case 2: rows_avx2_g16<2>(wr, srow, xq, r0, k, part); break;
+              default: rows_avx2_g16<1>(wr, srow, xq, r0, k, part);
+            }
+          } else {
+            switch (mr) {
             case 4: rows_avx2<4>(wr, srow, groups, per_group, xq, r0, k, part); break;
             case 3: rows_avx2<3>(wr, srow, groups, per_group, xq, r0, k, part); break;
             case 2: rows_avx2<2>(wr, srow, groups, per_group, xq, r0, k, part); break;
             default: rows_avx2<1>(wr, srow, groups, per_group, xq, r0, k, part);
+            }
           }
         }
 #endif
@@ -244,6 +277,16 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
             const float* sx = xq.scale.data() + (r0 + i) * blocks;
             float acc = 0.f;
             for (int64_t b = 0; b < blocks; ++b) {
+              if (group == 16) {  // 8 bits, a scale per half block
+                const int8_t* w = reinterpret_cast<const int8_t*>(wrow + b * block_bytes);
+                int32_t lo = 0, hi = 0;
+                for (int j = 0; j < 16; ++j) {
+                  lo += w[j] * xr[b * kBlock + j];
+                  hi += w[j + 16] * xr[b * kBlock + j + 16];
+                }
+                acc += sx[b] * (srow[2 * b] * static_cast<float>(lo) + srow[2 * b + 1] * static_cast<float>(hi));
+                continue;
+              }
               acc += srow[b / per_group] * sx[b] *
                      static_cast<float>(dot_block_scalar(wrow + b * block_bytes, xr + b * kBlock, bits));
             }
@@ -271,7 +314,7 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, c10:
   const float* ws = scales.data_ptr<float>();
   const float* wm = mins ? mins->data_ptr<float>() : nullptr;
   const int64_t row_bytes = qweight.size(1), groups = k / group;
-  const int64_t per_group = group / kBlock, block_bytes = bits == 4 ? kBlock / 2 : kBlock;
+  const int64_t per_group = std::max<int64_t>(1, group / kBlock), block_bytes = bits == 4 ? kBlock / 2 : kBlock;
   at::parallel_for(0, n, std::max<int64_t>(1, (1 << 14) / k), [&](int64_t begin, int64_t end) {
     std::vector<float> values(k);
     for (int64_t row = begin; row < end; ++row) {
@@ -281,6 +324,12 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, c10:
         const float sw = ws[g], mw = wm ? wm[g] : 0.f;
         const uint8_t* wb = w + b * block_bytes;
         float* v = values.data() + b * kBlock;
+        if (group == 16) {  // 8 bits, a scale per half block
+          const int8_t* q = reinterpret_cast<const int8_t*>(wb);
+          const float* half = ws + row * groups + 2 * b;
+          for (int j = 0; j < kBlock; ++j) v[j] = half[j / 16] * static_cast<float>(q[j]);
+          continue;
+        }
 #if defined(__AVX2__)
         const Weights16 q = load_weights(wb, bits);
         const __m256 scale = _mm256_set1_ps(sw), shift = _mm256_set1_ps(mw);
