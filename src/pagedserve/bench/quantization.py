@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=64, help="W1 requests")
     p.add_argument("--length", type=int, default=128, help="prompt and output tokens of W1 and SINGLE")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the modes; the order reverses every round")
+    p.add_argument("--kv-cache-memory", default="2GiB",
+                   help="KV pool of each engine: W1 fits without preemption (as in `bench throughput`)")
     p.add_argument("--llama-bench", default=str(LLAMA_BENCH),
                    help="llama-bench binary (benchmarks/peers/build_llama_server.sh builds it)")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md is")
@@ -78,7 +80,7 @@ def run_args(args: argparse.Namespace) -> int:
 
     modes = args.modes.split(",")
     engines = {m: LLMEngine(EngineConfig(dtype=args.dtype, quantization=m, num_threads=args.threads,
-                                         kv_cache_memory="256MiB")) for m in modes}
+                                         kv_cache_memory=args.kv_cache_memory)) for m in modes}
     base = engines[modes[0]]
     tokens = corpus_tokens(base.tokenizer)
     jobs, single = w1(tokens, args.requests, args.length, args.length), w1(tokens, 1, args.length, args.length)[0]
@@ -97,7 +99,10 @@ def run_args(args: argparse.Namespace) -> int:
             singles[m].append(ms)
             ttfts[m].append(ttft * 1e3)
             eng.kv.reset_prefix_cache()
+            preempted = eng.scheduler.num_preemptions
             run = run_engine(eng, jobs)
+            if eng.scheduler.num_preemptions != preempted:
+                problems.append(f"W1 {m}: preempted {eng.scheduler.num_preemptions - preempted} times (pool too small)")
             tps[m].append(run.output_tps)
             outputs.setdefault(m, run.outputs)
             problems += length_problems(f"W1 {m}", run, jobs)
@@ -117,7 +122,8 @@ def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
     modes = list(engines)
     base_tps = statistics.median(tps[modes[0]])
     lines = [(f"Command: `pagedserve bench quantization --modes {args.modes} --threads {args.threads} "
-             f"--requests {args.requests} --length {args.length} --repeats {args.repeats}`"), "", machine_line(), "",
+             f"--requests {args.requests} --length {args.length} --repeats {args.repeats} "
+             f"--kv-cache-memory {args.kv_cache_memory}`"), "", machine_line(), "",
              ("| mode | dtype | weights MB | SINGLE ms/token | SINGLE TTFT ms | weight GB/s at one stream | "
              f"W1 output tok/s | W1 vs {modes[0]} | greedy vs {modes[0]}: identical, median first difference |"),
              "|---|---|---|---|---|---|---|---|---|"]
