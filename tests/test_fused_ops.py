@@ -50,7 +50,7 @@ def test_rope_and_cache(kernels, rows: int) -> None:
     k_cache, v_cache = torch.zeros(slots, kv_heads, d, dtype=BF16), torch.zeros(slots, kv_heads, d, dtype=BF16)
     q, k, v = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     q_ref, k_ref = rotate(q.view(rows, heads, d), cos, sin), rotate(k.view(rows, kv_heads, d), cos, sin)
-    kernels.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)
+    kernels.rope_and_cache(qkv, cos, sin, k_cache, v_cache, None, None, slot_mapping, heads, kv_heads)
     close(qkv[:, :heads * d].view(rows, heads, d), q_ref)
     close(qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d), k_ref)
     close(k_cache[slot_mapping], k_ref)
@@ -76,37 +76,96 @@ def test_bf16_fast_path_matches_plain_pytorch(kernels) -> None:
         assert abs(got[token].logprob - expected[token].logprob) < 0.1
 
 
+def filled_cache(kv_cache_dtype: str, model_dtype: torch.dtype, num_slots: int, kv_heads: int, d: int):
+    """A cache in the given format holding random K/V (with a few outliers), written by the reference path."""
+    from pagedserve.model.kv_cache_dtype import LayerKVCache, resolve_kv_format
+
+    cache = LayerKVCache(resolve_kv_format(kv_cache_dtype, model_dtype), num_slots, kv_heads, d)
+    k, v = torch.randn(num_slots, kv_heads, d) * 2, torch.randn(num_slots, kv_heads, d)
+    k[::37, :, 3] *= 8  # outlier channels, as real keys have
+    if cache.fmt.quantized and not cache.fmt.per_token_scale:
+        cache.set_head_scales(k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2)))
+    cache.write(k.to(model_dtype), v.to(model_dtype), torch.arange(num_slots))
+    return cache
+
+
+KV_FORMATS = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("kv_cache_dtype", KV_FORMATS)
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 64, 8),
                                                                    (6, 3, 64, 32), (10, 2, 64, 16)])
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17, 33, 300], [300]])
-def test_paged_decode_attention(kernels, dtype, heads: int, kv_heads: int, d: int, block_size: int,
-                                lens: list[int]) -> None:
-    """The decode kernel (online-softmax AVX-512 BF16 path for bf16) against gather-then-matmul in fp32;
-    lengths around block and 16-token chunk edges, shuffled blocks, q a strided slice of a fused qkv."""
+def test_paged_decode_attention(kernels, dtype, kv_cache_dtype: str, heads: int, kv_heads: int, d: int,
+                                block_size: int, lens: list[int]) -> None:
+    """The decode kernel (online-softmax AVX-512 BF16 path for bf16) against gather-then-matmul in fp32 over the
+    same stored cache, in every KV format; lengths around block and 16-token chunk edges, shuffled blocks, q a
+    strided slice of a fused qkv."""
     from pagedserve.model.attention import AttentionMetadata, decode_attention_torch
 
+    if kv_cache_dtype != "auto" and (heads, d, block_size) not in ((9, 64, 16), (8, 128, 16)):
+        pytest.skip("the quantized formats on two shapes")
     torch.manual_seed(0)
     max_blocks = -(-max(lens) // block_size)
     num_blocks = len(lens) * max_blocks + 3
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(dtype)
-    v_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(dtype)
+    cache = filled_cache(kv_cache_dtype, dtype, num_blocks * block_size, kv_heads, d)
     tables = torch.randperm(num_blocks)[:len(lens) * max_blocks].view(len(lens), max_blocks)
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * d).to(dtype) * 3  # sharp softmaxes too
     q = qkv[:, :heads * d].view(len(lens), heads, d)
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), tables, torch.tensor(lens), [])
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), block_size, d ** -0.5)
-    expected = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, block_size, d ** -0.5)
+    got = kernels.paged_decode_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, tables,
+                                         torch.tensor(lens), block_size, d ** -0.5)
+    expected = decode_attention_torch(q.float(), cache, meta, block_size, d ** -0.5)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_rope_and_cache_quantizes_on_the_way_in(kernels, kv_cache_dtype: str, rows: int) -> None:
+    """The fused write quantizes rotated k and v as the reference quantize_rows does (a value within an ulp of a
+    rounding boundary may take the neighbouring code), into their slots only, with int8 scales per token and head."""
+    from pagedserve.model.kv_cache_dtype import LayerKVCache, quantize_rows, resolve_kv_format
+
+    heads, kv_heads, d, slots = 9, 3, 64, 400
+    fmt = resolve_kv_format(kv_cache_dtype, BF16)
+    cache = LayerKVCache(fmt, slots, kv_heads, d)
+    if not fmt.per_token_scale:
+        cache.set_head_scales(torch.tensor([12.0, 20.0, 9.0]), torch.tensor([10.0, 14.0, 12.0]))  # no saturation
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, dtype=BF16) * 2
+    angles = torch.rand(rows, d // 2) * 6
+    slot_mapping = torch.randperm(slots)[:rows]
+    kernels.rope_and_cache(qkv, angles.cos(), angles.sin(), cache.k, cache.v, cache.k_scale, cache.v_scale,
+                           slot_mapping, heads, kv_heads)
+    _, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)  # k as rotated in place
+    for x, stored, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        x = x.reshape(rows, kv_heads, d).float()
+        codes, scale = quantize_rows(x, fmt, scales)
+        got = stored[slot_mapping].float()
+        if fmt.per_token_scale:
+            scale = scales[slot_mapping]
+            torch.testing.assert_close(scale, x.abs().amax(-1) / 127)
+            assert (got - codes.float()).abs().le(1).all()
+            assert (got * scale.unsqueeze(-1) - x).abs().le(scale.unsqueeze(-1) * 0.5001).all()
+        else:
+            assert (got.view(1, -1) == codes.float().view(1, -1)).float().mean() > 0.98
+            mantissa_bits = 3 if kv_cache_dtype == "fp8_e4m3" else 2
+            deq = got * scale.view(1, -1, 1)
+            assert (deq - x).abs().le(x.abs() * 2.0 ** -mantissa_bits + 0.02 * scale.view(1, -1, 1)).all()
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert not cache.k[untouched].view(torch.uint8).any() and not cache.v[untouched].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_FORMATS[:1] + KV_FORMATS[2:])
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 64, 8),
                                                                    (10, 2, 64, 32)])
-def test_prefill_attention(kernels, heads: int, kv_heads: int, d: int, block_size: int) -> None:
-    """The bf16 prefill kernel against SDPA (fp32) on the same spans: fresh prompts of lengths around the
-    16-token tiles and chunked continuations over cached context, in one step after two decode rows."""
-    from pagedserve.model.attention import AttentionMetadata, PrefillSpan, gather_blocks
+def test_prefill_attention(kernels, kv_cache_dtype: str, heads: int, kv_heads: int, d: int, block_size: int) -> None:
+    """The bf16 prefill kernel against SDPA (fp32) on the same spans and stored cache: fresh prompts of lengths
+    around the 16-token tiles and chunked continuations over cached context, in one step after two decode rows;
+    quantized caches are dequantized a 16-key chunk at a time."""
+    from pagedserve.model.attention import AttentionMetadata, PrefillSpan
 
     if not kernels.prefill_attention_available():
         pytest.skip("no AVX-512 BF16 here")
@@ -114,8 +173,7 @@ def test_prefill_attention(kernels, heads: int, kv_heads: int, d: int, block_siz
     shapes = [(1, 0), (15, 0), (16, 0), (17, 0), (130, 0), (5, 40), (33, 17), (64, 200)]  # (new tokens, cached)
     max_blocks = -(-max(n + c for n, c in shapes) // block_size)
     num_blocks = len(shapes) * max_blocks
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(BF16)
-    v_cache = torch.randn(num_blocks * block_size, kv_heads, d).to(BF16)
+    cache = filled_cache(kv_cache_dtype, BF16, num_blocks * block_size, kv_heads, d)
     tables = torch.randperm(num_blocks).view(len(shapes), max_blocks)
     nd = 2
     rows = nd + sum(n for n, _ in shapes)
@@ -129,12 +187,12 @@ def test_prefill_attention(kernels, heads: int, kv_heads: int, d: int, block_siz
                              prefill_spans=torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans]),
                              prefill_tables=tables)
     out = torch.zeros(rows, heads, d, dtype=BF16)
-    kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_spans, meta.prefill_tables, block_size, d ** -0.5, out)
+    kernels.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.prefill_spans,
+                              meta.prefill_tables, block_size, d ** -0.5, out)
     assert not out[:nd].any()  # decode rows are the decode kernel's
     for p in spans:
         total = p.context_len + p.num_tokens
-        kp = gather_blocks(k_cache, p.block_table, block_size)[:total].float().transpose(0, 1).unsqueeze(0)
-        vp = gather_blocks(v_cache, p.block_table, block_size)[:total].float().transpose(0, 1).unsqueeze(0)
+        kp, vp = (x[:total].transpose(0, 1).unsqueeze(0) for x in cache.gather(p.block_table, block_size, torch.float32))
         qp = q[p.start:p.start + p.num_tokens].float().transpose(0, 1).unsqueeze(0)
         mask = torch.arange(total).unsqueeze(0) <= torch.arange(p.num_tokens).unsqueeze(1) + p.context_len
         expected = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)

@@ -5,6 +5,9 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+# model/kv_cache_dtype.py's formats, listed here so that --help needs no torch import
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -13,6 +16,7 @@ class EngineConfig:
     quantization: str = "none"  # none | gguf | int8 | int4 (model/quant.py)
     block_size: int = 16
     kv_cache_memory: str = "512MiB"  # size of the one preallocated KV pool
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | bfloat16 | float32 | fp8 | fp8_e4m3 | fp8_e5m2 | int8
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -49,6 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "stored), int8 (per channel) or int4 (groups of 32) quantized at load from any model")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="size of the KV pool, e.g. 512MiB or 2GiB")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2 with a scale per "
+                        "layer and KV head calibrated at start-up, int8 with a scale per token and head; the "
+                        "quantized formats fit about 2x the tokens into --kv-cache-memory")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context length cap")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

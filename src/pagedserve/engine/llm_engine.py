@@ -10,6 +10,7 @@ import torch
 
 from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.calibration import CALIBRATION_TEXT
 from pagedserve.engine.kv_cache import KVCacheManager
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
 from pagedserve.engine.request import Request
@@ -17,6 +18,7 @@ from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, scor
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
+from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.quant import QUANTIZATIONS
 from pagedserve.model.quant_linear import kernel_path, quantized_bytes
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -92,14 +94,18 @@ class LLMEngine:
         self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": config.quantization,
                              "quant_kernel": kernel_path() if config.quantization != "none" else "none",
                              "weight_bytes": self.weight_bytes}
+        self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
         num_blocks = parse_size(config.kv_cache_memory) // ModelRunner.bytes_per_block(
-            loaded.config, self.dtype, config.block_size)
+            loaded.config, self.kv_format, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds not even one KV block")
         self.max_model_len = self._fit_context(num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, loaded.config, self.dtype, num_blocks, config.block_size,
-                                  use_kernel=config.attention_backend == "cpp")
+        self.runner = ModelRunner(model, loaded.config, self.kv_format, num_blocks, config.block_size,
+                                  use_kernel=config.attention_backend == "cpp",
+                                  calibration_ids=self.tokenizer.encode(CALIBRATION_TEXT))
+        self.weights_info.update(kv_cache_dtype=self.kv_format.name, kv_cache_blocks=num_blocks,
+                                 kv_cache_tokens=num_blocks * config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_protect_after, config.priority_preemption_delay)
         self.groups: dict[str, RequestGroup] = {}
@@ -108,9 +114,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("loaded %s (%s, quantization %s, weights %.1f MB resident) in %.1fs: %d KV blocks of %d "
-                    "tokens, max_model_len %d", self.model_name, self.dtype, config.quantization,
+                    "tokens in %s (%d tokens), max_model_len %d", self.model_name, self.dtype, config.quantization,
                     self.weight_bytes / 1e6, time.perf_counter() - t0, num_blocks, config.block_size,
-                    self.max_model_len)
+                    self.kv_format.name, num_blocks * config.block_size, self.max_model_len)
 
     def _fit_context(self, pool_tokens: int) -> int:
         """The context length: the model's (or the configured cap), but never more than the KV pool holds,

@@ -7,6 +7,7 @@ import torch
 
 from pagedserve.engine.request import Request
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan
+from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.model_config import ModelConfig
 
@@ -22,20 +23,40 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, dtype: torch.dtype, num_blocks: int,
-                 block_size: int, use_kernel: bool = True) -> None:
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, kv_format: KVFormat, num_blocks: int,
+                 block_size: int, use_kernel: bool = True, calibration_ids: list[int] | None = None) -> None:
         model.use_fast_path(use_kernel)
         self.model = model
         self.use_kernel = use_kernel
         self.block_size = block_size
-        shape = (num_blocks * block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.kv_format = kv_format
+        self.kv_caches = [LayerKVCache(kv_format, num_blocks * block_size, config.num_key_value_heads, config.head_dim)
                           for _ in range(config.num_hidden_layers)]
+        if kv_format.quantized and not kv_format.per_token_scale:
+            self._calibrate_head_scales(config, calibration_ids or list(range(1, 257)))
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * block_size * config.kv_size * elem
+    def bytes_per_block(config: ModelConfig, kv_format: KVFormat, block_size: int) -> int:
+        per_head = kv_format.bytes_per_token_head(config.head_dim)
+        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * per_head
+
+    @torch.inference_mode()
+    def _calibrate_head_scales(self, config: ModelConfig, token_ids: list[int]) -> None:
+        """fp8: one prefill of token_ids into a scratch cache in the model dtype; each layer's scales come from
+        the largest |K| and |V| per KV head it produced."""
+        weight_dtype = self.model.norm.weight.dtype
+        scratch_fmt = KVFormat(str(weight_dtype).removeprefix("torch."), weight_dtype)
+        n, bs = len(token_ids), self.block_size
+        num_blocks = -(-n // bs)
+        scratch = [LayerKVCache(scratch_fmt, num_blocks * bs, config.num_key_value_heads, config.head_dim)
+                   for _ in range(config.num_hidden_layers)]
+        table = torch.arange(num_blocks, dtype=torch.long)
+        meta = AttentionMetadata(torch.arange(n, dtype=torch.long), 0, torch.zeros(0, 1, dtype=torch.long),
+                                 torch.zeros(0, dtype=torch.long), [PrefillSpan(0, n, 0, table)], self.use_kernel,
+                                 torch.tensor([[0, n, 0]], dtype=torch.long), table.unsqueeze(0))
+        self.model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n, dtype=torch.long), scratch, meta, bs)
+        for layer, s in zip(self.kv_caches, scratch):
+            layer.set_head_scales(s.k[:n].float().abs().amax(dim=(0, 2)), s.v[:n].float().abs().amax(dim=(0, 2)))
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]) -> BatchInputs:
         bs = self.block_size
@@ -90,8 +111,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        bs = self.block_size
-        for k, v in self.kv_caches:
+        for layer in self.kv_caches:
             for src, dst in copies:
-                k[dst * bs:(dst + 1) * bs] = k[src * bs:(src + 1) * bs]
-                v[dst * bs:(dst + 1) * bs] = v[src * bs:(src + 1) * bs]
+                layer.copy_block(src, dst, self.block_size)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.model.kernels import cpu_kernels
+from pagedserve.model.kv_cache_dtype import LayerKVCache
 
 KERNEL_HEAD_DIMS = (64, 128)  # what the C++ attention kernels are built for; other sizes take the PyTorch path
 
@@ -33,46 +34,35 @@ class AttentionMetadata:
     prefill_tables: torch.Tensor | None = None  # int64 [S, max_blocks]: their block tables, zero-padded
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k_cache / v_cache: [num_slots, num_kv_heads, head_dim]; k / v: [num_tokens, num_kv_heads, head_dim]."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
-
-
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[num_slots, kv, d] pool and [..., nb] block ids -> [..., nb * block_size, kv, d]."""
-    blocks = cache.view(-1, block_size, *cache.shape[1:])[block_table]
-    return blocks.flatten(-4, -3)
-
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, block_size: int, scale: float,
-                    fused: Any | None = None) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+                    block_size: int, scale: float, fused: Any | None = None) -> torch.Tensor:
     """q: [T, H, d]; k, v: [T, KV, d] of this step (already in the cache). Returns [T, H, d].
-    fused: the bf16 C++ ops (the model's fast path), whose prefill kernel then replaces SDPA."""
+    fused: the bf16 C++ ops (the model's fast path), whose prefill kernel then replaces SDPA.
+    A cache stored narrower than q (quantized, or bf16 under fp32) is read for fresh prompts too, so a prompt's
+    logits never depend on whether its prefix came from the prefix cache or how it was chunked."""
     nd = meta.num_decodes
     if nd == q.shape[0]:  # a pure decode step: the decode output is the whole output
-        return decode_attention(q, k_cache, v_cache, meta, block_size, scale)
+        return decode_attention(q, cache, meta, block_size, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
-        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta, block_size, scale)
+        out[:nd] = decode_attention(q[:nd], cache, meta, block_size, scale)
     if (fused is not None and meta.prefill_spans is not None and q.shape[-1] in KERNEL_HEAD_DIMS
             and fused.prefill_attention_available()):
         # Every span in one call, reading the pool this step's keys were just written to.
-        fused.prefill_attention(q, k_cache, v_cache, meta.prefill_spans, meta.prefill_tables, block_size, scale, out)
+        fused.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.prefill_spans,
+                                meta.prefill_tables, block_size, scale, out)
         return out
     for p in meta.prefills:
         rows = slice(p.start, p.start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        if p.context_len == 0:
+        if p.context_len == 0 and cache.k.dtype == q.dtype:
             kp, vp = k[rows], v[rows]
             op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                                                 is_causal=True, scale=scale, enable_gqa=True)
         else:
             total = p.context_len + p.num_tokens
-            kp = gather_blocks(k_cache, p.block_table, block_size)[:total]
-            vp = gather_blocks(v_cache, p.block_table, block_size)[:total]
+            kp, vp = cache.gather(p.block_table, block_size, q.dtype)
+            kp, vp = kp[:total], vp[:total]
             mask = causal_mask_with_context(p.num_tokens, p.context_len, q.device)
             op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                                                 attn_mask=mask, scale=scale, enable_gqa=True)
@@ -80,22 +70,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     block_size: int, scale: float) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, block_size: int,
+                     scale: float) -> torch.Tensor:
     """q: [B, H, d], one query per decode row. Returns [B, H, d]."""
     kernels = (cpu_kernels() if meta.use_kernel and q.device.type == "cpu" and q.shape[-1] in KERNEL_HEAD_DIMS
                else None)
     if kernels is None:
-        return decode_attention_torch(q, k_cache, v_cache, meta, block_size, scale)
-    return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                          block_size, scale)
+        return decode_attention_torch(q, cache, meta, block_size, scale)
+    return kernels.paged_decode_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                          meta.decode_block_tables, meta.decode_context_lens, block_size, scale)
 
 
-def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           block_size: int, scale: float) -> torch.Tensor:
+def decode_attention_torch(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, block_size: int,
+                           scale: float) -> torch.Tensor:
     """Gather-then-matmul decode attention; GQA by grouping query heads per KV head. q: [B, H, d]."""
-    k = gather_blocks(k_cache, meta.decode_block_tables, block_size)  # [B, L, KV, d]
-    v = gather_blocks(v_cache, meta.decode_block_tables, block_size)
+    k, v = cache.gather(meta.decode_block_tables, block_size, q.dtype)  # [B, L, KV, d]
     b, length, kv, d = k.shape
     qg = q.reshape(b, kv, -1, d)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, KV, G, L]

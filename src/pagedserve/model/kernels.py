@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
                                       "quant_gemm.cpp")]
-HEADERS = [CSRC / "vec_math.h"]
+HEADERS = [CSRC / "vec_math.h", CSRC / "kv_quant.h"]
 
 
 @cache

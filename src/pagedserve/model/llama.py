@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pagedserve.model.attention import AttentionMetadata, paged_attention
 from pagedserve.model.kernels import cpu_kernels
+from pagedserve.model.kv_cache_dtype import LayerKVCache
 from pagedserve.model.linear import Linear, can_pack, pack_linears
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import QuantizedWeight, quantize
@@ -90,21 +91,20 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, kv: LayerKVCache, ctx: StepContext) -> torch.Tensor:
         """Returns residual + attention(x)."""
         qkv = self.qkv_proj(x)
         if ctx.kernels is not None:  # rotates q and k inside qkv and writes k, v to the cache in one pass
-            ctx.kernels.rope_and_cache(qkv, ctx.cos, ctx.sin, kv[0], kv[1], ctx.meta.slot_mapping, self.num_heads,
-                                       self.num_kv_heads)
+            ctx.kernels.rope_and_cache(qkv, ctx.cos, ctx.sin, kv.k, kv.v, kv.k_scale, kv.v_scale,
+                                       ctx.meta.slot_mapping, self.num_heads, self.num_kv_heads)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ctx.kernels is None:
             q, k = rotate(q, ctx.cos, ctx.sin), rotate(k, ctx.cos, ctx.sin)
-            write_kv(kv[0], kv[1], k, v, ctx.meta.slot_mapping)
-        o = paged_attention(q, k, v, kv[0], kv[1], ctx.meta, ctx.block_size, self.scale, ctx.kernels)
+            kv.write(k, v, ctx.meta.slot_mapping)
+        o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels)
         return self.o_proj(o.flatten(1), residual)
 
 
@@ -131,7 +131,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKVCache, ctx: StepContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x, ctx.kernels), x, kv, ctx)
         return self.mlp(self.post_attention_layernorm(x, ctx.kernels), x, ctx.kernels)
 
@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         if use_kernels and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
             self.kernels = cpu_kernels()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata, block_size: int) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; logits are computed only where a token is sampled."""
         x = self.embed_tokens(input_ids)

@@ -113,12 +113,17 @@ class ServerMetrics:
         self.registry.register(EngineStatsCollector(get_stats, self.model_name))
 
     def describe_weights(self, info: dict) -> None:
-        """What runs: an info gauge (vLLM's cache_config_info style) and the weights' resident bytes."""
+        """What runs: info gauges (vLLM's cache_config_info style), the weights' resident bytes and the KV pool's
+        capacity in tokens."""
         labels = {"model_name": self.model_name, **{k: str(info[k]) for k in ("dtype", "quantization", "quant_kernel")}}
         Gauge("pagedserve_model_info", "the model's dtype, weight quantization and kernel path (value 1)",
               list(labels), registry=self.registry).labels(**labels).set(1)
         Gauge("pagedserve_model_weight_bytes", "resident bytes of the model's weights", ["model_name"],
               registry=self.registry).labels(self.model_name).set(info["weight_bytes"])
+        Gauge("pagedserve_kv_cache_info", "the KV cache's storage dtype (value 1)", ["model_name", "kv_cache_dtype"],
+              registry=self.registry).labels(self.model_name, info["kv_cache_dtype"]).set(1)
+        Gauge("pagedserve_kv_cache_capacity_tokens", "tokens the KV pool holds", ["model_name"],
+              registry=self.registry).labels(self.model_name).set(info["kv_cache_tokens"])
 
     def watch_admission(self, admission: Any) -> None:
         self.registry.register(AdmissionCollector(admission))

@@ -158,7 +158,7 @@ async def _respond(work, ctx: RequestContext) -> Response:
 def _model_cards(state: ServerState) -> list[ModelCard]:
     info = state.engine.engine.weights_info
     cards = [ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len, dtype=info["dtype"],
-                       quantization=info["quantization"])]
+                       quantization=info["quantization"], kv_cache_dtype=info["kv_cache_dtype"])]
     if state.embedder is not None:
         cards.append(ModelCard(id=state.embedder.model_name, max_model_len=state.embedder.max_seq_length))
     return cards

@@ -304,6 +304,7 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     dtype: str | None = None  # the LLM's compute dtype
     quantization: str | None = None  # the LLM's weights: none | gguf | int8 | int4
+    kv_cache_dtype: str | None = None  # the LLM's KV cache storage: bfloat16 | float32 | fp8_e4m3 | fp8_e5m2 | int8
 
 
 class ModelList(BaseModel):

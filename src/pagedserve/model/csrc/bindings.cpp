@@ -1,12 +1,14 @@
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                    torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads);
+                    torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                    torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads);
 
 std::vector<int64_t> quant_paths();
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
@@ -15,7 +17,8 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, c10:
                                int64_t bits, int64_t group, c10::ScalarType dtype);
 
 bool prefill_attention_available();
-void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                       c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, torch::Tensor spans,
                        torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -6,6 +6,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "kv_quant.h"
 
 static inline float bf16_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -78,24 +81,37 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 
 // qkv: [T, (H + 2 KV) * D], the fused projection's output. Rotates q and k in place (rotate-half RoPE,
 // cos/sin: [T, D/2] fp32, already gathered at each token's position) and writes k and v into the caches
-// ([slots, KV, D]) at slot_mapping.
+// ([slots, KV, D], bfloat16, or fp8 / int8 quantized on the way in with k_scale / v_scale as in kv_quant.h)
+// at slot_mapping.
 void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                    torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+                    torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                    torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   check_bf16(qkv, "qkv");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be contiguous and share a format");
+  const KVKind kind = kv_kind(k_cache, qkv);
+  TORCH_CHECK(kind != KVKind::kPlain || k_cache.scalar_type() == torch::kBFloat16, "an unquantized cache must be bf16");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.is_contiguous() &&
               sin.is_contiguous(), "cos and sin must be contiguous float32");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping: int64");
   const int64_t rows = qkv.size(0), ld = qkv.stride(0), d = k_cache.size(2), half = d / 2;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && cos.size(0) == rows && cos.size(1) == half &&
               slot_mapping.size(0) == rows && k_cache.size(1) == num_kv_heads, "shapes do not match");
+  // Quantized caches: the scales' shapes are checked by the readers' constructor; writers use the raw pointers.
+  float *ks = nullptr, *vs = nullptr;
+  if (kind != KVKind::kPlain) {
+    quant_reader(k_cache, k_scale, kind);
+    quant_reader(v_cache, v_scale, kind);
+    ks = k_scale->data_ptr<float>();
+    vs = v_scale->data_ptr<float>();
+  }
   uint16_t* base = bits_mut(qkv);
-  uint16_t *kc = bits_mut(k_cache), *vc = bits_mut(v_cache);
+  uint8_t *kc = reinterpret_cast<uint8_t*>(k_cache.data_ptr()), *vc = reinterpret_cast<uint8_t*>(v_cache.data_ptr());
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t kv_row = num_kv_heads * d;
+  const int64_t kv_row = num_kv_heads * d, elem = k_cache.element_size();
   at::parallel_for(0, rows, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> x_f(d);
     for (int64_t t = begin; t < end; ++t) {
       uint16_t* row = base + t * ld;
       const float *c = cp + t * half, *s = sp + t * half;
@@ -108,8 +124,20 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
           x[i + half] = float_to_bf16(x2 * c[i] + x1 * s[i]);
         }
       }
-      std::memcpy(kc + slots[t] * kv_row, row + num_heads * d, kv_row * 2);
-      std::memcpy(vc + slots[t] * kv_row, row + (num_heads + num_kv_heads) * d, kv_row * 2);
+      const int64_t slot = slots[t];
+      if (kind == KVKind::kPlain) {
+        std::memcpy(kc + slot * kv_row * elem, row + num_heads * d, kv_row * 2);
+        std::memcpy(vc + slot * kv_row * elem, row + (num_heads + num_kv_heads) * d, kv_row * 2);
+        continue;
+      }
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int which = 0; which < 2; ++which) {
+          const uint16_t* src = row + (num_heads + which * num_kv_heads + h) * d;
+          for (int64_t i = 0; i < d; ++i) x_f[i] = bf16_to_float(src[i]);
+          uint8_t* dst = (which ? vc : kc) + (slot * num_kv_heads + h) * d;
+          float* scales = which ? vs : ks;
+          quantize_row(kind, x_f.data(), d, dst, scales + slot * num_kv_heads + h, scales[h]);
+        }
     }
   });
 }

@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
+
 // Widen one row to float; the bf16 case is a plain shift so the compiler vectorizes it.
 template <typename scalar_t, int D>
 static inline void to_float(const scalar_t* __restrict__ src, float* __restrict__ dst) {
@@ -37,18 +39,29 @@ static inline float dot(const float* __restrict__ a, const float* __restrict__ b
   return s;
 }
 
+// Reads row (slot, head) of an unquantized cache ([slots, KV, D]) as D floats.
+template <typename cache_t>
+struct PlainRowReader {
+  const cache_t* cache;
+  int64_t num_kv_heads;
+
+  template <int D>
+  inline void load(int64_t slot, int64_t head, float* __restrict__ out) const {
+    to_float<cache_t, D>(cache + (slot * num_kv_heads + head) * D, out);
+  }
+};
+
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, block_size, max_blocks, q_row_stride;
   float scale;
 };
 
 // One (sequence, kv head) pair: its `group` query heads attend over `len` cached tokens.
-template <typename scalar_t, int D>
-static void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+template <typename scalar_t, typename Reader, int D>
+static void attend_one(const scalar_t* q, const Reader& k_cache, const Reader& v_cache, const int64_t* table,
                        int64_t len, scalar_t* out, int64_t seq, int64_t kvh, const Shape& s,
                        std::vector<float>& scores) {
   const int64_t group = s.num_heads / s.num_kv_heads;
-  const int64_t row_stride = s.num_kv_heads * D;
   alignas(64) float qf[8][D];
   alignas(64) float acc[8][D];
   alignas(64) float row[D];
@@ -59,7 +72,7 @@ static void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_
   }
   for (int64_t t = 0; t < len; ++t) {
     const int64_t slot = table[t / s.block_size] * s.block_size + t % s.block_size;
-    to_float<scalar_t, D>(k_cache + slot * row_stride + kvh * D, row);
+    k_cache.template load<D>(slot, kvh, row);
     for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot<D>(qf[g], row);
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -73,7 +86,7 @@ static void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_
   }
   for (int64_t t = 0; t < len; ++t) {
     const int64_t slot = table[t / s.block_size] * s.block_size + t % s.block_size;
-    to_float<scalar_t, D>(v_cache + slot * row_stride + kvh * D, row);
+    v_cache.template load<D>(slot, kvh, row);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + t];
 #pragma omp simd
@@ -187,8 +200,8 @@ static bool attend_bf16_any(int64_t group, const uint16_t* q, const uint16_t* k_
 }
 #endif
 
-template <typename scalar_t, int D>
-static void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
+template <typename scalar_t, typename Reader, int D>
+static void decode(const scalar_t* q, const Reader& k_cache, const Reader& v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, scalar_t* out, const Shape& s) {
   // Small batches run on one thread: waking the pool costs more than the work.
   const int64_t group = s.num_heads / s.num_kv_heads;
@@ -199,47 +212,63 @@ static void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t seq = idx / s.num_kv_heads, kvh = idx % s.num_kv_heads;
 #ifdef PAGEDSERVE_BF16_DECODE
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<Reader, PlainRowReader<at::BFloat16>>) {
         const int64_t row_stride = s.num_kv_heads * D;
         auto b = [](const scalar_t* p) { return reinterpret_cast<const uint16_t*>(p); };
-        if (attend_bf16_any<D>(group, b(q + seq * s.q_row_stride + kvh * group * D), b(k_cache + kvh * D),
-                               b(v_cache + kvh * D), block_tables + seq * s.max_blocks, context_lens[seq],
+        if (attend_bf16_any<D>(group, b(q + seq * s.q_row_stride + kvh * group * D), b(k_cache.cache + kvh * D),
+                               b(v_cache.cache + kvh * D), block_tables + seq * s.max_blocks, context_lens[seq],
                                reinterpret_cast<uint16_t*>(out + (seq * s.num_heads + kvh * group) * D), row_stride,
                                s.block_size, s.scale))
           continue;
       }
 #endif
-      attend_one<scalar_t, D>(q, k_cache, v_cache, block_tables + seq * s.max_blocks, context_lens[seq], out, seq,
+      attend_one<scalar_t, Reader, D>(q, k_cache, v_cache, block_tables + seq * s.max_blocks, context_lens[seq], out, seq,
                               kvh, s, scores);
     }
   });
 }
 
-// q: [B, H, D], rows may be strided (a slice of the fused qkv); k_cache, v_cache: [slots, KV, D];
-// block_tables: [B, max_blocks] int64; context_lens: [B] int64
-// (tokens to attend, the current one included). Returns [B, H, D]. D is 64 or 128; at most 8 query heads per KV head.
+// q: [B, H, D], rows may be strided (a slice of the fused qkv); k_cache, v_cache: [slots, KV, D] in the model
+// dtype, bfloat16, fp8 or int8 with k_scale / v_scale ([KV] for fp8, [slots, KV] for int8, float32);
+// block_tables: [B, max_blocks] int64; context_lens: [B] int64 (tokens to attend, the current one included).
+// Returns [B, H, D]. D is 64 or 128; at most 8 query heads per KV head.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches must share a format");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row [H, D] must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "block_tables and context_lens must be int64");
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(k_cache.size(2) == head_dim, "cache rows must be head_dim wide");
   TORCH_CHECK(q.size(1) / k_cache.size(1) <= 8, "at most 8 query heads per KV head");
+  const KVKind kind = kv_kind(k_cache, q);
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), head_dim}, q.options());
-  Shape s{q.size(0), q.size(1), k_cache.size(1), block_size, bt.size(1), q.stride(0), static_cast<float>(scale)};
+  const int64_t kv = k_cache.size(1);
+  Shape s{q.size(0), q.size(1), kv, block_size, bt.size(1), q.stride(0), static_cast<float>(scale)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    auto run = [&](auto d) {
-      decode<scalar_t, decltype(d)::value>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                           v_cache.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(),
-                                           cl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), s);
+    auto run = [&](const auto& kr, const auto& vr) {
+      using Reader = std::decay_t<decltype(kr)>;
+      if (head_dim == 64)
+        decode<scalar_t, Reader, 64>(q.data_ptr<scalar_t>(), kr, vr, bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(),
+                                     out.data_ptr<scalar_t>(), s);
+      else
+        decode<scalar_t, Reader, 128>(q.data_ptr<scalar_t>(), kr, vr, bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(),
+                                      out.data_ptr<scalar_t>(), s);
     };
-    if (head_dim == 64) run(std::integral_constant<int, 64>{});
-    else run(std::integral_constant<int, 128>{});
+    if (kind != KVKind::kPlain) {
+      run(quant_reader(k_cache, k_scale, kind), quant_reader(v_cache, v_scale, kind));
+    } else if (k_cache.scalar_type() == q.scalar_type()) {
+      run(PlainRowReader<scalar_t>{k_cache.data_ptr<scalar_t>(), kv}, PlainRowReader<scalar_t>{v_cache.data_ptr<scalar_t>(), kv});
+    } else {  // a bfloat16 cache under a wider model dtype
+      run(PlainRowReader<at::BFloat16>{k_cache.data_ptr<at::BFloat16>(), kv},
+          PlainRowReader<at::BFloat16>{v_cache.data_ptr<at::BFloat16>(), kv});
+    }
   });
   return out;
 }

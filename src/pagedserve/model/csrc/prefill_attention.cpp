@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_quant.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "vec_math.h"
 
@@ -35,16 +37,45 @@ struct Chunk {
   alignas(64) uint16_t vp[kTile / 2][D * 2];
 };
 
+// Rows of the chunk's n keys (bf16; those past n are zero), read in place from a bf16 cache or, from a
+// quantized one, dequantized into the task's small staging rows.
 template <int D>
-void load_chunk(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* slots, int64_t n,
-                int64_t row_stride, Chunk<D>& ch) {
+struct ChunkRows {
   alignas(64) uint16_t zero[D] = {};
-  const uint16_t* k_rows[kTile];
-  const uint16_t* v_rows[kTile];
+  alignas(64) uint16_t k_stage[kTile][D];
+  alignas(64) uint16_t v_stage[kTile][D];
+  const uint16_t* k[kTile];
+  const uint16_t* v[kTile];
+};
+
+template <int D>
+inline void dequantize_bf16(const QuantRowReader& r, int64_t slot, int64_t head, uint16_t* dst) {
+  alignas(64) float row[D];
+  r.template load<D>(slot, head, row);
+  for (int f = 0; f < D / 16; ++f)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + f * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + f * 16)));
+}
+
+template <int D>
+void chunk_rows(const uint16_t* k_cache, const uint16_t* v_cache, const QuantRowReader* kq, const QuantRowReader* vq,
+                int64_t kv_head, const int64_t* slots, int64_t n, int64_t row_stride, ChunkRows<D>& rows) {
   for (int64_t j = 0; j < kTile; ++j) {
-    k_rows[j] = j < n ? k_cache + slots[j] * row_stride : zero;
-    v_rows[j] = j < n ? v_cache + slots[j] * row_stride : zero;
+    if (j >= n) {
+      rows.k[j] = rows.v[j] = rows.zero;
+    } else if (kq != nullptr) {
+      dequantize_bf16<D>(*kq, slots[j], kv_head, rows.k_stage[j]);
+      dequantize_bf16<D>(*vq, slots[j], kv_head, rows.v_stage[j]);
+      rows.k[j] = rows.k_stage[j];
+      rows.v[j] = rows.v_stage[j];
+    } else {
+      rows.k[j] = k_cache + slots[j] * row_stride + kv_head * D;
+      rows.v[j] = v_cache + slots[j] * row_stride + kv_head * D;
+    }
   }
+}
+
+template <int D>
+void load_chunk(const uint16_t* const* k_rows, const uint16_t* const* v_rows, Chunk<D>& ch) {
   for (int j = 0; j < kTile; ++j) {
     const uint32_t* k = reinterpret_cast<const uint32_t*>(k_rows[j]);
     for (int i = 0; i < D / 2; ++i) ch.kt[i][j] = k[i];
@@ -118,8 +149,8 @@ inline void rows_against_chunk(Row<D>* rows, const Chunk<D>& ch, int64_t k0, int
 
 template <int D>
 void run_task(const Task& t, const Span& sp, const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache,
-              const uint16_t* v_cache, uint16_t* out, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-              float scale) {
+              const uint16_t* v_cache, const QuantRowReader* kq, const QuantRowReader* vq, uint16_t* out,
+              int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale) {
   const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * D;
   const int64_t nq = std::min<int64_t>(kTile, sp.num_tokens - t.q0);
   std::vector<Row<D>> rows(nq * group);
@@ -134,6 +165,7 @@ void run_task(const Task& t, const Span& sp, const uint16_t* q, int64_t q_row_st
     }
   const int64_t keys = sp.context_len + t.q0 + nq;
   Chunk<D> ch;
+  ChunkRows<D> chunk;
   int64_t slots[kTile];
   for (int64_t k0 = 0; k0 < keys; k0 += kTile) {
     const int64_t n = std::min<int64_t>(kTile, keys - k0);
@@ -141,7 +173,8 @@ void run_task(const Task& t, const Span& sp, const uint16_t* q, int64_t q_row_st
       const int64_t p = k0 + j;
       slots[j] = sp.table[p / block_size] * block_size + p % block_size;
     }
-    load_chunk<D>(k_cache + t.kv_head * D, v_cache + t.kv_head * D, slots, n, row_stride, ch);
+    chunk_rows<D>(k_cache, v_cache, kq, vq, t.kv_head, slots, n, row_stride, chunk);
+    load_chunk<D>(chunk.k, chunk.v, ch);
     // Four rows at a time share each key vector load; rows that see none of the chunk skip its softmax.
     int64_t r = 0;
     const int64_t total = static_cast<int64_t>(rows.size());
@@ -163,14 +196,17 @@ void run_task(const Task& t, const Span& sp, const uint16_t* q, int64_t q_row_st
 
 bool prefill_attention_available() { return true; }
 
-// q: [T, H, D] bf16 (rows may be strided, each [H, D] contiguous); k_cache, v_cache: [slots, KV, D] bf16 holding
-// every span's keys, this step's included; spans: [S, 3] int64 rows (first row in q, new tokens, tokens already
-// cached); block_tables: [S, max_blocks] int64. Writes the spans' rows of out ([T, H, D], contiguous).
-void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
+// q: [T, H, D] bf16 (rows may be strided, each [H, D] contiguous); k_cache, v_cache: [slots, KV, D], bf16 or fp8 /
+// int8 with their scales (kv_quant.h), holding every span's keys, this step's included; spans: [S, 3] int64 rows
+// (first row in q, new tokens, tokens already cached); block_tables: [S, max_blocks] int64. Writes the spans' rows
+// of out ([T, H, D], contiguous).
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                       c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, torch::Tensor spans,
                        torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out) {
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-                  v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "prefill_attention is for bfloat16");
+  const KVKind kind = kv_kind(k_cache, q);
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches must share a format");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "caches and out must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row [H, D] must be contiguous");
@@ -178,6 +214,14 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
               "spans and block_tables must be int64");
   const int64_t d = q.size(2), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
   TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128");
+  QuantRowReader kr{}, vr{};
+  const QuantRowReader *kq = nullptr, *vq = nullptr;
+  if (kind != KVKind::kPlain) {
+    kr = quant_reader(k_cache, k_scale, kind);
+    vr = quant_reader(v_cache, v_scale, kind);
+    kq = &kr;
+    vq = &vr;
+  }
   auto sp_t = spans.contiguous();
   auto bt = block_tables.contiguous();
   const int64_t* s = sp_t.data_ptr<int64_t>();
@@ -196,9 +240,9 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
       if (d == 64)
-        run_task<64>(t, sp[t.span], qp, q.stride(0), kp, vp, op, num_heads, num_kv_heads, block_size, scale);
+        run_task<64>(t, sp[t.span], qp, q.stride(0), kp, vp, kq, vq, op, num_heads, num_kv_heads, block_size, scale);
       else
-        run_task<128>(t, sp[t.span], qp, q.stride(0), kp, vp, op, num_heads, num_kv_heads, block_size, scale);
+        run_task<128>(t, sp[t.span], qp, q.stride(0), kp, vp, kq, vq, op, num_heads, num_kv_heads, block_size, scale);
     }
   });
 }
@@ -207,8 +251,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 
 bool prefill_attention_available() { return false; }
 
-void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double,
-                       torch::Tensor) {
+void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                       c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, double, torch::Tensor) {
   TORCH_CHECK(false, "prefill_attention needs AVX-512 BF16");
 }
 

@@ -1,0 +1,124 @@
+"""KV cache storage formats and one layer's cache in the pool.
+
+- the model dtype (or bfloat16 under a float32 model): stored as computed;
+- fp8_e4m3 / fp8_e5m2: one scale per layer and KV head, set by a calibration pass at start-up (the largest
+  |K| and |V| each head produces over a fixed text, with 2x headroom; values beyond are saturated);
+- int8: symmetric, one scale per token and KV head, computed as the token is written.
+
+Scales live beside the blocks (per slot, or per head for fp8), so a block stays self-contained for prefix
+caching, preemption and copy-on-write forks. Writes quantize on the way in; the C++ kernels read the stored
+format and dequantize in registers. The PyTorch functions here are the reference those kernels are tested on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+FP8_HEADROOM = 2.0  # calibrated amax times this maps to the format's largest value
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    name: str  # canonical: bfloat16, float32, fp8_e4m3, fp8_e5m2 or int8
+    storage: torch.dtype  # element dtype of the pool
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in ("fp8_e4m3", "fp8_e5m2", "int8")
+
+    @property
+    def per_token_scale(self) -> bool:
+        return self.name == "int8"
+
+    @property
+    def max_value(self) -> float:
+        return torch.finfo(self.storage).max if self.storage.is_floating_point else 127.0
+
+    def bytes_per_token_head(self, head_dim: int) -> int:
+        """Bytes one token's K (or V) of one KV head takes in the pool, its scale included."""
+        data = head_dim * torch.empty(0, dtype=self.storage).element_size()
+        return data + (4 if self.per_token_scale else 0)
+
+
+def resolve_kv_format(name: str, model_dtype: torch.dtype) -> KVFormat:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    name = {"fp8": "fp8_e4m3", "auto": str(model_dtype).removeprefix("torch.")}.get(name, name)
+    storage = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+               "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}[name]
+    if name == "float32" and model_dtype != torch.float32:
+        raise ValueError("kv_cache_dtype float32 needs --dtype float32 (the cache is never wider than the model)")
+    return KVFormat(name, storage)
+
+
+class LayerKVCache:
+    """One layer's K and V in the pool: [slots, kv_heads, head_dim] each, in the format's storage dtype, and
+    their scales: [kv_heads] (fp8) or [slots, kv_heads] (int8); None when stored unquantized."""
+
+    def __init__(self, fmt: KVFormat, num_slots: int, num_kv_heads: int, head_dim: int) -> None:
+        self.fmt = fmt
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=fmt.storage)
+        self.v = torch.zeros(shape, dtype=fmt.storage)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if fmt.per_token_scale:
+            self.k_scale = torch.zeros(num_slots, num_kv_heads)
+            self.v_scale = torch.zeros(num_slots, num_kv_heads)
+        elif fmt.quantized:
+            self.k_scale = torch.ones(num_kv_heads)
+            self.v_scale = torch.ones(num_kv_heads)
+
+    def set_head_scales(self, k_amax: torch.Tensor, v_amax: torch.Tensor) -> None:
+        """fp8: scales from the calibrated largest magnitudes per KV head."""
+        limit = self.fmt.max_value / FP8_HEADROOM
+        self.k_scale = (k_amax.float() / limit).clamp_min(1e-6)
+        self.v_scale = (v_amax.float() / limit).clamp_min(1e-6)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v: [T, kv_heads, head_dim] in the model dtype, quantized into their slots."""
+        for x, cache, scale_name in ((k, self.k, "k_scale"), (v, self.v, "v_scale")):
+            if not self.fmt.quantized:
+                cache.index_copy_(0, slot_mapping, x.to(cache.dtype))
+                continue
+            data, scale = quantize_rows(x, self.fmt, getattr(self, scale_name))
+            if self.fmt.per_token_scale:
+                getattr(self, scale_name).index_copy_(0, slot_mapping, scale)
+            cache.view(torch.uint8).index_copy_(0, slot_mapping, data.view(torch.uint8))
+
+    def gather(self, block_table: torch.Tensor, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks in block_table ([..., nb]) as [..., nb * block_size, kv_heads, head_dim] in dtype:
+        the PyTorch path's (reference) read."""
+        return (self._gather_one(self.k, self.k_scale, block_table, block_size, dtype),
+                self._gather_one(self.v, self.v_scale, block_table, block_size, dtype))
+
+    def _gather_one(self, cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
+                    block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        blocks = cache.view(-1, block_size, *cache.shape[1:])[block_table].flatten(-4, -3)
+        if not self.fmt.quantized:
+            return blocks.to(dtype)
+        if self.fmt.per_token_scale:
+            s = scale.view(-1, block_size, scale.shape[1])[block_table].flatten(-3, -2).unsqueeze(-1)
+        else:
+            s = scale.view(-1, 1)
+        return (blocks.float() * s).to(dtype)
+
+    def copy_block(self, src: int, dst: int, block_size: int) -> None:
+        rows_src, rows_dst = slice(src * block_size, (src + 1) * block_size), slice(dst * block_size, (dst + 1) * block_size)
+        self.k[rows_dst] = self.k[rows_src]
+        self.v[rows_dst] = self.v[rows_src]
+        if self.fmt.per_token_scale:
+            self.k_scale[rows_dst] = self.k_scale[rows_src]
+            self.v_scale[rows_dst] = self.v_scale[rows_src]
+
+
+def quantize_rows(x: torch.Tensor, fmt: KVFormat, head_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, kv_heads, head_dim] -> (stored values, scales: [T, kv_heads] for int8, else the head scales)."""
+    xf = x.float()
+    if fmt.per_token_scale:
+        scale = (xf.abs().amax(-1) / 127.0).clamp_min(1e-12)
+        return (xf / scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8), scale
+    limit = fmt.max_value
+    return (xf / head_scale.view(1, -1, 1)).clamp_(-limit, limit).to(fmt.storage), head_scale
