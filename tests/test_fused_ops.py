@@ -192,7 +192,8 @@ def test_prefill_attention(kernels, kv_cache_dtype: str, heads: int, kv_heads: i
     assert not out[:nd].any()  # decode rows are the decode kernel's
     for p in spans:
         total = p.context_len + p.num_tokens
-        kp, vp = (x[:total].transpose(0, 1).unsqueeze(0) for x in cache.gather(p.block_table, block_size, torch.float32))
+        # dequantized to bf16, as the kernel stages a quantized chunk before its bf16 dot products
+        kp, vp = (x[:total].float().transpose(0, 1).unsqueeze(0) for x in cache.gather(p.block_table, block_size, BF16))
         qp = q[p.start:p.start + p.num_tokens].float().transpose(0, 1).unsqueeze(0)
         mask = torch.arange(total).unsqueeze(0) <= torch.arange(p.num_tokens).unsqueeze(1) + p.context_len
         expected = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)

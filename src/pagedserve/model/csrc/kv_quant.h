@@ -6,9 +6,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 enum class KVKind { kPlain, kFp8E4M3, kFp8E5M2, kInt8 };
 
@@ -24,15 +24,19 @@ inline KVKind kv_kind(const torch::Tensor& cache, const torch::Tensor& q) {
   }
 }
 
-// All 256 fp8 codes as fp32: one table lookup per element instead of bit twiddling with branches.
-template <typename fp8_t>
-inline const float* fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(fp8_t(static_cast<uint8_t>(i), fp8_t::from_bits()));
-    return t;
-  }();
-  return table.data();
+// An fp8 code as fp32 by integer arithmetic the compiler vectorizes: the exponent rebiased to fp32's, the mantissa
+// bits on top. Exact for normal values; subnormal codes (below 2^-6 (e4m3) or 2^-14 (e5m2) of the scale) become 0,
+// as in the AVX-512 path.
+template <KVKind K>
+inline float fp8_to_float(uint8_t x) {
+  constexpr int kMantissa = K == KVKind::kFp8E4M3 ? 3 : 2;
+  constexpr uint32_t kRebias = K == KVKind::kFp8E4M3 ? 120 : 112;  // 127 - 7, 127 - 15
+  constexpr uint32_t kExponentMask = K == KVKind::kFp8E4M3 ? 0x78 : 0x7C;
+  const uint32_t magnitude = ((static_cast<uint32_t>(x & 0x7F) << (23 - kMantissa)) + (kRebias << 23));
+  const uint32_t bits = (static_cast<uint32_t>(x & 0x80) << 24) | ((x & kExponentMask) ? magnitude : 0u);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 // Reads row (slot, head) of a quantized cache ([slots, KV, D] codes) as D floats.
@@ -40,7 +44,6 @@ struct QuantRowReader {
   KVKind kind;
   const uint8_t* codes;    // fp8 codes or int8 values
   const float* scales;     // [KV] (fp8) or [slots, KV] (int8)
-  const float* table;      // fp8 only
   int64_t num_kv_heads;
 
   template <int D>
@@ -51,9 +54,14 @@ struct QuantRowReader {
       const int8_t* r = reinterpret_cast<const int8_t*>(row);
 #pragma omp simd
       for (int i = 0; i < D; ++i) out[i] = static_cast<float>(r[i]) * s;
+    } else if (kind == KVKind::kFp8E4M3) {
+      const float s = scales[head];
+#pragma omp simd
+      for (int i = 0; i < D; ++i) out[i] = fp8_to_float<KVKind::kFp8E4M3>(row[i]) * s;
     } else {
       const float s = scales[head];
-      for (int i = 0; i < D; ++i) out[i] = table[row[i]] * s;
+#pragma omp simd
+      for (int i = 0; i < D; ++i) out[i] = fp8_to_float<KVKind::kFp8E5M2>(row[i]) * s;
     }
   }
 };
@@ -65,10 +73,7 @@ inline QuantRowReader quant_reader(const torch::Tensor& cache, const c10::option
   const int64_t kv = cache.size(1);
   TORCH_CHECK(kind == KVKind::kInt8 ? scale->numel() == cache.size(0) * kv : scale->numel() == kv,
               "scales must be [slots, KV] for int8 and [KV] for fp8");
-  const float* table = kind == KVKind::kFp8E4M3   ? fp8_table<c10::Float8_e4m3fn>()
-                       : kind == KVKind::kFp8E5M2 ? fp8_table<c10::Float8_e5m2>()
-                                                  : nullptr;
-  return {kind, reinterpret_cast<const uint8_t*>(cache.data_ptr()), scale->data_ptr<float>(), table, kv};
+  return {kind, reinterpret_cast<const uint8_t*>(cache.data_ptr()), scale->data_ptr<float>(), kv};
 }
 
 // Quantizes n floats into one cache row; int8 also sets the row's scale (amax / 127, as the reference).

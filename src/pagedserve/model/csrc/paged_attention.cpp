@@ -99,7 +99,7 @@ static void attend_one(const scalar_t* q, const Reader& k_cache, const Reader& v
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "vec_math.h"
 #define PAGEDSERVE_BF16_DECODE 1
 
@@ -107,13 +107,84 @@ static inline __m512 bf16_to_f32(const uint16_t* src) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
 }
 
+// fp8 e4m3 codes (16-bit lanes) as bf16 bits: the exponent rebiased (7 -> 127), the 3 mantissa bits on top of
+// bf16's 7. Exact for normal values; the subnormal codes (below 2^-6 of the scale) become 0.
+static inline __m512i e4m3_to_bf16_bits(__m512i x) {
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+  const __m512i mag = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x7F)), 4),
+                                       _mm512_set1_epi16(120 << 7));
+  return _mm512_maskz_mov_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x78)), _mm512_or_si512(sign, mag));
+}
+
+static inline __m256i e4m3_to_bf16_bits(__m256i x) {
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+  const __m256i mag = _mm256_add_epi16(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 4),
+                                       _mm256_set1_epi16(120 << 7));
+  return _mm256_maskz_mov_epi16(_mm256_test_epi16_mask(x, _mm256_set1_epi16(0x78)), _mm256_or_si256(sign, mag));
+}
+
+// 32 cached values (unscaled) as bf16: exact for every format, since int8 and fp8 fit bf16's 8-bit mantissa.
+template <KVKind K>
+static inline __m512bh load_bf16x32(const uint8_t* row) {
+  if constexpr (K == KVKind::kPlain) {
+    return (__m512bh)_mm512_loadu_si512(row);
+  } else {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    if constexpr (K == KVKind::kInt8) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+      return _mm512_cvtne2ps_pbh(hi, lo);
+    } else if constexpr (K == KVKind::kFp8E5M2) {  // e5m2 is the top byte of an fp16
+      const __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8);
+      return _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)),
+                                 _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    } else {
+      return (__m512bh)e4m3_to_bf16_bits(_mm512_cvtepu8_epi16(b));
+    }
+  }
+}
+
+// 16 cached values (unscaled) as fp32.
+template <KVKind K>
+static inline __m512 load_f32x16(const uint8_t* row) {
+  if constexpr (K == KVKind::kPlain) {
+    return bf16_to_f32(reinterpret_cast<const uint16_t*>(row));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+    if constexpr (K == KVKind::kInt8) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    } else if constexpr (K == KVKind::kFp8E5M2) {
+      return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+    } else {
+      const __m256i bits = e4m3_to_bf16_bits(_mm256_cvtepu8_epi16(b));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+  }
+}
+
+// One KV head's view of the pool for the decode kernel: byte pointers at the head's first row, and its scales
+// (int8: per slot, a stride of num_kv_heads; fp8: the head's one scale; bf16: none).
+struct HeadView {
+  const uint8_t* k;
+  const uint8_t* v;
+  const float* k_scale;
+  const float* v_scale;
+  int64_t row_bytes;     // between consecutive slots
+  int64_t scale_stride;  // int8: between consecutive slots' scales
+};
+
 // One (sequence, kv head) pair in one pass (flash-decoding's online softmax), a 16-token block at a time:
-// q.k by AVX-512 BF16 dot products straight from the bf16 cache, fp32 softmax and accumulation.
-template <int D, int G>
-static void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-                        int64_t len, uint16_t* out, int64_t row_stride, int64_t block_size, float scale) {
+// q.k by AVX-512 BF16 dot products straight from the cache (quantized rows widened to bf16 in registers, their
+// scales applied to the fp32 scores and probabilities), fp32 softmax and accumulation.
+template <int D, int G, KVKind K>
+static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* table, int64_t len, uint16_t* out,
+                        int64_t block_size, float scale) {
   constexpr int C = D / 32;  // bf16 vectors per row
   constexpr int F = D / 16;  // fp32 vectors per row
+  constexpr int64_t kElem = K == KVKind::kPlain ? 2 : 1;
+  constexpr bool kPerToken = K == KVKind::kInt8;
+  constexpr bool kPerHead = K == KVKind::kFp8E4M3 || K == KVKind::kFp8E5M2;
+  if constexpr (kPerHead) scale *= hv.k_scale[0];
   __m512bh qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
@@ -134,20 +205,24 @@ static void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16
     if (whole && t0 + 16 < len) {  // blocks are scattered in the pool: fetch the next one while this one computes
       const int64_t next = slot(t0 + 16);
       for (int64_t j = 0; j < std::min<int64_t>(16, len - t0 - 16); ++j)
-        for (int c = 0; c < D * 2; c += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + (next + j) * row_stride) + c, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + (next + j) * row_stride) + c, _MM_HINT_T0);
+        for (int64_t c = 0; c < D * kElem; c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(hv.k + (next + j) * hv.row_bytes) + c, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(hv.v + (next + j) * hv.row_bytes) + c, _MM_HINT_T0);
         }
     }
     alignas(64) float sc[G][16];
+    alignas(64) float v_scale[16];
     for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* k = k_cache + (whole ? base + j : slot(t0 + j)) * row_stride;
+      const int64_t sl = whole ? base + j : slot(t0 + j);
+      const uint8_t* k = hv.k + sl * hv.row_bytes;
       __m512bh kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
+      for (int c = 0; c < C; ++c) kv[c] = load_bf16x32<K>(k + c * 32 * kElem);
+      const float ks = kPerToken ? hv.k_scale[sl * hv.scale_stride] : 1.f;
+      if constexpr (kPerToken) v_scale[j] = hv.v_scale[sl * hv.scale_stride];
       for (int g = 0; g < G; ++g) {
         __m512 d = _mm512_setzero_ps();
         for (int c = 0; c < C; ++c) d = _mm512_dpbf16_ps(d, qv[g][c], kv[c]);
-        sc[g][j] = _mm512_reduce_add_ps(d);
+        sc[g][j] = _mm512_reduce_add_ps(d) * ks;
       }
     }
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
@@ -160,22 +235,24 @@ static void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16
       const __m512 pe = _mm512_maskz_mov_ps(live, e);
       l[g] = l[g] * correction + _mm512_reduce_add_ps(pe);
       m[g] = mx;
-      _mm512_store_ps(p[g], pe);
+      // Per-token value scales ride on the probabilities: sum p_j s_j v_j.
+      _mm512_store_ps(p[g], kPerToken ? _mm512_mul_ps(pe, _mm512_maskz_loadu_ps(live, v_scale)) : pe);
       const __m512 cv = _mm512_set1_ps(correction);
       for (int f = 0; f < F; ++f) acc[g][f] = _mm512_mul_ps(acc[g][f], cv);
     }
     for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* v = v_cache + (whole ? base + j : slot(t0 + j)) * row_stride;
+      const uint8_t* v = hv.v + (whole ? base + j : slot(t0 + j)) * hv.row_bytes;
       __m512 vf[F];
-      for (int f = 0; f < F; ++f) vf[f] = bf16_to_f32(v + f * 16);
+      for (int f = 0; f < F; ++f) vf[f] = load_f32x16<K>(v + f * 16 * kElem);
       for (int g = 0; g < G; ++g) {
         const __m512 pj = _mm512_set1_ps(p[g][j]);
         for (int f = 0; f < F; ++f) acc[g][f] = _mm512_fmadd_ps(pj, vf[f], acc[g][f]);
       }
     }
   }
+  const float v_head = kPerHead ? hv.v_scale[0] : 1.f;
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    const __m512 inv = _mm512_set1_ps(v_head / l[g]);
     for (int f = 0; f < F; ++f) {
       // Round to nearest even into bf16 (AVX512_BF16's conversion does exactly that).
       const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][f], inv));
@@ -185,18 +262,48 @@ static void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16
 }
 
 // Dispatches on the group size (query heads per KV head) so the per-head arrays live in registers.
-template <int D>
-static bool attend_bf16_any(int64_t group, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                            const int64_t* table, int64_t len, uint16_t* out, int64_t row_stride, int64_t block_size,
-                            float scale) {
+template <int D, KVKind K>
+static bool attend_bf16_group(int64_t group, const uint16_t* q, const HeadView& hv, const int64_t* table, int64_t len,
+                              uint16_t* out, int64_t block_size, float scale) {
   switch (group) {
-    case 1: attend_bf16<D, 1>(q, k_cache, v_cache, table, len, out, row_stride, block_size, scale); return true;
-    case 2: attend_bf16<D, 2>(q, k_cache, v_cache, table, len, out, row_stride, block_size, scale); return true;
-    case 3: attend_bf16<D, 3>(q, k_cache, v_cache, table, len, out, row_stride, block_size, scale); return true;
-    case 4: attend_bf16<D, 4>(q, k_cache, v_cache, table, len, out, row_stride, block_size, scale); return true;
-    case 8: attend_bf16<D, 8>(q, k_cache, v_cache, table, len, out, row_stride, block_size, scale); return true;
+    case 1: attend_bf16<D, 1, K>(q, hv, table, len, out, block_size, scale); return true;
+    case 2: attend_bf16<D, 2, K>(q, hv, table, len, out, block_size, scale); return true;
+    case 3: attend_bf16<D, 3, K>(q, hv, table, len, out, block_size, scale); return true;
+    case 4: attend_bf16<D, 4, K>(q, hv, table, len, out, block_size, scale); return true;
+    case 8: attend_bf16<D, 8, K>(q, hv, table, len, out, block_size, scale); return true;
     default: return false;
   }
+}
+
+template <int D>
+static bool attend_bf16_any(KVKind kind, int64_t group, const uint16_t* q, const HeadView& hv, const int64_t* table,
+                            int64_t len, uint16_t* out, int64_t block_size, float scale) {
+  switch (kind) {
+    case KVKind::kPlain: return attend_bf16_group<D, KVKind::kPlain>(group, q, hv, table, len, out, block_size, scale);
+    case KVKind::kInt8: return attend_bf16_group<D, KVKind::kInt8>(group, q, hv, table, len, out, block_size, scale);
+    case KVKind::kFp8E4M3:
+      return attend_bf16_group<D, KVKind::kFp8E4M3>(group, q, hv, table, len, out, block_size, scale);
+    case KVKind::kFp8E5M2:
+      return attend_bf16_group<D, KVKind::kFp8E5M2>(group, q, hv, table, len, out, block_size, scale);
+  }
+  return false;
+}
+#endif
+
+#ifdef PAGEDSERVE_BF16_DECODE
+static inline KVKind bf16_view_kind(const PlainRowReader<at::BFloat16>&) { return KVKind::kPlain; }
+static inline KVKind bf16_view_kind(const QuantRowReader& r) { return r.kind; }
+
+static inline HeadView head_view(const PlainRowReader<at::BFloat16>& k, const PlainRowReader<at::BFloat16>& v,
+                                 int64_t kvh, int64_t d) {
+  return {reinterpret_cast<const uint8_t*>(k.cache + kvh * d), reinterpret_cast<const uint8_t*>(v.cache + kvh * d),
+          nullptr, nullptr, k.num_kv_heads * d * 2, 0};
+}
+
+static inline HeadView head_view(const QuantRowReader& k, const QuantRowReader& v, int64_t kvh, int64_t d) {
+  const bool per_token = k.kind == KVKind::kInt8;
+  return {k.codes + kvh * d, v.codes + kvh * d, k.scales + kvh, v.scales + kvh, k.num_kv_heads * d,
+          per_token ? k.num_kv_heads : 0};
 }
 #endif
 
@@ -212,12 +319,12 @@ static void decode(const scalar_t* q, const Reader& k_cache, const Reader& v_cac
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t seq = idx / s.num_kv_heads, kvh = idx % s.num_kv_heads;
 #ifdef PAGEDSERVE_BF16_DECODE
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<Reader, PlainRowReader<at::BFloat16>>) {
-        const int64_t row_stride = s.num_kv_heads * D;
-        auto b = [](const scalar_t* p) { return reinterpret_cast<const uint16_t*>(p); };
-        if (attend_bf16_any<D>(group, b(q + seq * s.q_row_stride + kvh * group * D), b(k_cache.cache + kvh * D),
-                               b(v_cache.cache + kvh * D), block_tables + seq * s.max_blocks, context_lens[seq],
-                               reinterpret_cast<uint16_t*>(out + (seq * s.num_heads + kvh * group) * D), row_stride,
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
+                    (std::is_same_v<Reader, PlainRowReader<at::BFloat16>> || std::is_same_v<Reader, QuantRowReader>)) {
+        if (attend_bf16_any<D>(bf16_view_kind(k_cache), group,
+                               reinterpret_cast<const uint16_t*>(q + seq * s.q_row_stride + kvh * group * D),
+                               head_view(k_cache, v_cache, kvh, D), block_tables + seq * s.max_blocks,
+                               context_lens[seq], reinterpret_cast<uint16_t*>(out + (seq * s.num_heads + kvh * group) * D),
                                s.block_size, s.scale))
           continue;
       }
