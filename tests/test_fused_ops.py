@@ -96,7 +96,7 @@ KV_FORMATS = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
 @pytest.mark.parametrize("kv_cache_dtype", KV_FORMATS)
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 64, 8),
                                                                    (6, 3, 64, 32), (10, 2, 64, 16)])
-@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 33, 300], [300]])
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 33, 1000], [300]])
 def test_paged_decode_attention(kernels, dtype, kv_cache_dtype: str, heads: int, kv_heads: int, d: int,
                                 block_size: int, lens: list[int]) -> None:
     """The decode kernel (online-softmax AVX-512 BF16 path for bf16) against gather-then-matmul in fp32 over the

@@ -19,6 +19,9 @@ class Run:
     prompt_tokens: int
     ttfts: list[float] = field(default_factory=list)
     kv_waste: float | None = None
+    peak_running: int = 0  # most requests in one step
+    preemptions: int = 0
+    decode_step_s: list[float] = field(default_factory=list)  # steps after every job had its first token
 
     @property
     def output_tokens(self) -> int:

@@ -7,6 +7,8 @@ best setting to docs/benchmarks.md:
   MIX     128 requests, prompts 64-512, outputs 16-256 (fixed seed), greedy, EOS ignored; plus KV waste
   PREFIX  64 requests sharing a 1,024-token system prompt + 32 unique tokens: median TTFT, caching on/off
   SINGLE  one 128-token prompt, 128 output tokens: TTFT and ms per output token
+  KV      (opt-in: --workloads ...,kv) each --kv-cache-dtypes format in one run: capacity, LONG, W1, MIX
+          (bench/kv_formats.py; a section of its own)
 
 The peer: its dtype is probed (transformers runs GGUF weights packed and computes in fp32, so bf16 is not
 always its best); static batching at batch 32, 64 and all at once (MIX: also sorted by prompt length) and
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagedserve.bench import hf_peer
+from pagedserve.bench import hf_peer, kv_formats
 from pagedserve.bench.measure import Run, agreement, length_problems, log, spread
 from pagedserve.bench.report import REPO, machine_line, write_section
 from pagedserve.bench.workloads import Job, corpus_tokens, mix, prefix, w1
@@ -41,17 +43,23 @@ PAD_ID = 2  # SmolLM2's <|im_end|>, also its EOS: an output padded after EOS sho
 def run_engine(engine: LLMEngine, jobs: list[Job], track_waste: bool = False) -> Run:
     """All jobs arrive at once; greedy, EOS ignored, max_tokens each."""
     start = time.perf_counter()
+    preempted = engine.scheduler.num_preemptions
     for i, job in enumerate(jobs):
         engine.add_request(f"j{i}", job.prompt_token_ids,
                            SamplingParams(temperature=0, max_tokens=job.max_tokens, ignore_eos=True))
     first: dict[str, float] = {}
     outputs: dict[str, list[int]] = {}
-    allocated = unfilled = steps = 0
+    allocated = unfilled = steps = peak = 0
+    decode_steps = []
     while engine.has_unfinished_requests():
+        peak = max(peak, len(engine.scheduler.running))
+        step_start, decoding = time.perf_counter(), len(first) == len(jobs)
         for out in engine.step():
             first.setdefault(out.request_id, time.perf_counter() - start)
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
+        if decoding:
+            decode_steps.append(time.perf_counter() - step_start)
         steps += 1
         if track_waste:
             for req in engine.scheduler.running:
@@ -63,7 +71,8 @@ def run_engine(engine: LLMEngine, jobs: list[Job], track_waste: bool = False) ->
     elapsed = time.perf_counter() - start
     return Run(elapsed, [outputs.get(f"j{i}", []) for i in range(len(jobs))],
                sum(len(j.prompt_token_ids) for j in jobs), list(first.values()),
-               unfilled / allocated if allocated else None)
+               unfilled / allocated if allocated else None, peak, engine.scheduler.num_preemptions - preempted,
+               decode_steps)
 
 
 def single_stream(engine: LLMEngine, job: Job) -> tuple[float, float]:
@@ -147,11 +156,18 @@ class Comparison:
 
 
 # `pagedserve bench all --quick`: every part of this benchmark, at a scale of seconds.
-QUICK = ["--scale", "0.05", "--length-scale", "0.125", "--repeats", "1", "--peer-dtype", "float32"]
+QUICK = ["--scale", "0.05", "--length-scale", "0.125", "--repeats", "1", "--peer-dtype", "float32",
+         "--workloads", "w1,mix,prefix,single,kv", "--kv-cache-dtypes", "auto,int8"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workloads", default="w1,mix,prefix,single", help="comma-separated subset to run")
+    p.add_argument("--workloads", default="w1,mix,prefix,single",
+                   help="comma-separated subset to run: w1, mix, prefix, single, and kv (every --kv-cache-dtypes "
+                        "format: capacity in a small pool, the LONG workload, W1 and MIX)")
+    p.add_argument("--kv-cache-dtypes", default="auto,bfloat16,fp8,int8",
+                   help="the formats the kv workload compares, the first being the baseline")
+    p.add_argument("--kv-small-pool", default="64MiB", help="the kv workload's small pool (W1 capacity)")
+    p.add_argument("--kv-long-pool", default="4GiB", help="the kv workload's pool for LONG (holds all of it)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="pagedserve's dtype (auto: bf16 where the CPU runs it natively, else fp32)")
     p.add_argument("--peer-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -206,7 +222,7 @@ def run_args(args: argparse.Namespace) -> int:
     n = lambda k: max(1, int(k * args.scale))
     ln = lambda k: max(4, int(k * args.length_scale))
     peer, notes = None, []
-    if not args.no_peer:
+    if not args.no_peer and todo - {"kv"}:
         peer, note = pick_peer_dtype(tokens, args.peer_dtype)
         notes.append(note)
     notes.append(f"pagedserve runs in {str(eng.dtype).removeprefix('torch.')} (--dtype {args.dtype}).")
@@ -273,13 +289,22 @@ def run_args(args: argparse.Namespace) -> int:
         notes.append(f"Single stream time to first token (128-token prompt): "
                      f"{spread([t * 1e3 for t, _ in ours_single], '{:.0f}')} ms.")
 
-    body = render(rows, notes, problems, args)
-    print(body)
+    sections = {}
+    if rows:
+        sections["Offline throughput (engine)"] = render(rows, notes, problems, args)
+    if "kv" in todo:
+        log("KV cache formats: " + args.kv_cache_dtypes)
+        body, kv_problems = kv_formats.measure(args.kv_cache_dtypes.split(","), tokens, engine, run_engine, args)
+        sections["KV cache formats (capacity and speed)"] = body
+        problems += kv_problems
+    for body in sections.values():
+        print(body)
     if problems:
         log("the run did not check out; docs/benchmarks.md left alone:\n  " + "\n  ".join(problems))
         return 1
     if not args.no_write:
-        write_section("Offline throughput (engine)", body, args.docs / "benchmarks.md")
+        for title, body in sections.items():
+            write_section(title, body, args.docs / "benchmarks.md")
     return 0
 
 
