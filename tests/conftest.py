@@ -48,3 +48,13 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def windows() -> list[list[int]]:
+    """Two 400-token stretches of the fixed corpus (798 scored positions) for the quality tests."""
+    from pagedserve.bench.workloads import corpus_tokens
+    from pagedserve.model.loader import load_model
+
+    tokens = corpus_tokens(load_model(None).tokenizer)
+    return [tokens[start:start + 400] for start in (3000, 20000)]

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.kv_cache_dtype import KV_CACHE_DTYPES, LayerKVCache, resolve_kv_format
-from tests.test_quality import scored, windows  # noqa: F401 (windows is a fixture)
+from tests.test_quality import scored
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8"]
 

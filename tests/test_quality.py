@@ -8,18 +8,9 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.bench.workloads import corpus_tokens
 from pagedserve.model.loader import default_model_path
 
 SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-
-
-@pytest.fixture(scope="module")
-def windows() -> list[list[int]]:
-    from pagedserve.model.loader import load_model
-
-    tokens = corpus_tokens(load_model(None).tokenizer)
-    return [tokens[start:start + 400] for start in (3000, 20000)]  # 798 scored positions
 
 
 def scored(llm: LLM, windows: list[list[int]]) -> tuple[list[float], list[int]]:

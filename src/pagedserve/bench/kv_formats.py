@@ -78,9 +78,9 @@ def render(formats: list[str], results: dict[str, FormatRuns], args) -> str:
     flags += ("" if args.scale == 1 else f" --scale {args.scale}") + (
         "" if args.length_scale == 1 else f" --length-scale {args.length_scale}")
     lines = [f"Command: `pagedserve bench throughput {flags}`", "", machine_line(), "",
-             f"Pools: W1 capacity in --kv-small-pool {args.kv_small_pool}; LONG in {args.kv_long_pool} (all 32 "
-             f"requests fit in every format); W1 and MIX in {args.kv_cache_memory}. Figures: median (min-max) over "
-             "the repeats, formats in alternating order.", "",
+             (f"Pools: W1 capacity in --kv-small-pool {args.kv_small_pool}; LONG in {args.kv_long_pool} (every "
+              f"LONG request fits in every format); W1 and MIX in {args.kv_cache_memory}. Figures: median (min-max) "
+              "over the repeats, formats in alternating order."), "",
              "| KV cache | tokens per GiB | small pool W1: peak running | preemptions | output tok/s | "
              "LONG output tok/s | LONG ms per decode step | W1 output tok/s | MIX output tok/s | MIX KV waste | "
              "greedy vs " + base + " (LONG, median first differing token) |",

@@ -9,16 +9,16 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagedserve.config import EngineConfig, parse_size
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.calibration import CALIBRATION_TEXT
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache import KVCacheManager
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, score_tokens
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
-from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.quant import QUANTIZATIONS
 from pagedserve.model.quant_linear import kernel_path, quantized_bytes
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput

@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.engine.request import Request
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan
-from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache
+from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache, resolve_kv_format
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.model_config import ModelConfig
 
@@ -44,8 +44,7 @@ class ModelRunner:
     def _calibrate_head_scales(self, config: ModelConfig, token_ids: list[int]) -> None:
         """fp8: one prefill of token_ids into a scratch cache in the model dtype; each layer's scales come from
         the largest |K| and |V| per KV head it produced."""
-        weight_dtype = self.model.norm.weight.dtype
-        scratch_fmt = KVFormat(str(weight_dtype).removeprefix("torch."), weight_dtype)
+        scratch_fmt = resolve_kv_format("auto", self.model.norm.weight.dtype)
         n, bs = len(token_ids), self.block_size
         num_blocks = -(-n // bs)
         scratch = [LayerKVCache(scratch_fmt, num_blocks * bs, config.num_key_value_heads, config.head_dim)
