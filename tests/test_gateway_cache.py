@@ -78,6 +78,14 @@ def test_tenants_and_parameters_scope_the_cache(tmp_path, embedder):
                   scope_key("hr", "hr-assistant", {"temperature": 0}, [{"role": "system", "content": "Be brief"}])]:
         assert other != hr
         assert cache.lookup(other, vec(embedder, SEED), 0.95, {}, None).result == "miss"
+    # A JSON-mode or tool-calling answer never serves a free-text question, nor the reverse.
+    schema = {"type": "json_schema", "json_schema": {"name": "leave", "schema": {"type": "object"}}}
+    shaped = [scope_key("hr", "hr-assistant", {"temperature": 0, **extra}, []) for extra in (
+        {"response_format": {"type": "json_object"}}, {"response_format": schema},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+        {"guided_json": {"type": "object"}}, {"guided_regex": "[0-9]+"})]
+    assert len(set(shaped)) == len(shaped) and hr not in shaped
     # Fields that do not shape the answer leave the scope alone.
     assert scope_key("hr", "hr-assistant", {"temperature": 0, "max_tokens": 9, "stream": True, "user": "u"}, []) == hr
 

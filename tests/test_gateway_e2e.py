@@ -441,6 +441,42 @@ def test_completions_residency_and_key_cli(seed_gateway, upstreams):
         client.completions.create(model="hr-assistant", prompt="hi", max_tokens=1)
 
 
+def test_structured_outputs_and_tools_pass_through_and_scope_the_cache(seed_gateway):
+    url, config = seed_gateway["url"], str(seed_gateway["config"])
+    created = json.loads(cli("gateway", "keys", "create", "--config", config, "--user", "sam", "--team", "hr"))
+    client = openai.OpenAI(base_url=url + "/v1", api_key=created["key"], max_retries=0)
+    schema = {"type": "object", "additionalProperties": False, "required": ["weeks"],
+              "properties": {"weeks": {"type": "integer", "minimum": 0, "maximum": 52}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "leave", "schema": schema, "strict": True}}
+    question = "How many weeks of parental leave do employees in Spain get?"
+    entries = admin_get(url, "/admin/status")["cache_entries"]
+    answer, headers = ask(client, question, response_format=fmt, max_tokens=24)
+    assert headers["x-gateway-cache"] == "miss" and json.loads(answer)["weeks"] in range(53)
+    wait_cache_entries(url, entries + 1)
+    free, headers = ask(client, question, max_tokens=24)  # the same words without JSON mode: another scope
+    assert headers["x-gateway-cache"] == "miss" and free != answer
+    again, headers = ask(client, question, response_format=fmt, max_tokens=24)
+    assert headers["x-gateway-cache"] == "hit" and again == answer
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 20}}}}}
+    entries = admin_get(url, "/admin/status")["cache_entries"]
+    for stream in (False, True, False):  # a call is never cached: each one reaches the model
+        raw = client.chat.completions.with_raw_response.create(
+            model="hr-assistant", messages=[{"role": "user", "content": "Weather in Berlin?"}], tools=[weather],
+            tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0, stream=stream)
+        assert raw.headers["x-gateway-cache"] == "miss"
+        if stream:
+            deltas = [d for c in raw.parse() if c.choices for d in c.choices[0].delta.tool_calls or []]
+            name, arguments = deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas)
+        else:
+            call = raw.parse().choices[0].message.tool_calls[0]
+            name, arguments = call.function.name, call.function.arguments
+        assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
+    ask(client, "How many vacation days do employees in Spain get?", max_tokens=8)
+    wait_cache_entries(url, entries + 1)  # remembered after the calls' answers were (or were not)
+    assert admin_get(url, "/admin/status")["cache_entries"] == entries + 1
+
+
 def test_restart_keeps_spend_and_spans_were_exported(seed_gateway):
     url, process = seed_gateway["url"], seed_gateway["process"]
     before = {r["scope"]: r["spend_usd"] for r in admin_get(url, "/admin/usage")["data"]}

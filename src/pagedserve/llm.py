@@ -28,6 +28,9 @@ class LLM:
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        for p in per_prompt:  # offline, an invalid constraint raises here (the server answers 400)
+            if p.guided_decoding is not None:
+                self.engine.grammars.compile(p.guided_decoding)
         ids = []
         for prompt, p in zip(prompts, per_prompt):
             request_id = str(next(self._ids))
@@ -44,6 +47,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 if out.finished:
                     done[out.request_id] = out
                     if progress:

@@ -1,7 +1,41 @@
 """Per-request sampling parameters, vLLM/OpenAI vocabulary."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecodingParams:
+    """One output constraint (vLLM's names): a JSON schema, any JSON object, a regex, one of fixed strings,
+    or a grammar (Lark, or GBNF/EBNF when it uses `::=`)."""
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(f"a guided decoding request sets exactly one of json, json_object, regex, choice and "
+                             f"grammar; got {', '.join(kinds) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("guided choice must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints share one compiled grammar."""
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return "json", json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output order
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar or "")
 
 
 @dataclass(slots=True)
@@ -24,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token: its logprob plus this many top alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    guided_decoding: GuidedDecodingParams | None = None  # constrain the output to a schema, regex or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

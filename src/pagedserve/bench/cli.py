@@ -19,6 +19,7 @@ BENCHMARKS = {
     "gateway": "gateway overhead, semantic-cache lookup at 100k entries, hit rate",
     "perplexity": "quality: perplexity and top-1 agreement of each numeric mode against fp32",
     "quantization": "quantized weights: single stream vs llama.cpp, W1 per mode, roofline",
+    "structured": "structured outputs: decode cost of grammars, llguidance vs xgrammar on our vocabulary",
 }
 
 

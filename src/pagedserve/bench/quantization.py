@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.measure import agreement, length_problems, log, spread
-from pagedserve.bench.report import REPO, machine_line, write_section
+from pagedserve.bench.report import REPO, machine_line, publish
 from pagedserve.bench.servers import default_gguf
 from pagedserve.bench.throughput import run_engine, single_stream
 from pagedserve.bench.workloads import corpus_tokens, w1
@@ -109,13 +109,7 @@ def run_args(args: argparse.Namespace) -> int:
             log(f"round {r + 1} {m}: single {ms:.1f} ms/token, W1 {run.output_tps:.0f} tok/s")
     peer = llama_bench(args.llama_bench, args.threads, args.length)
     body = render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth)
-    print(body)
-    if problems:
-        log("the run did not check out; docs/benchmarks.md left alone:\n  " + "\n  ".join(problems))
-        return 1
-    if not args.no_write:
-        write_section("Quantized weights (speed)", body, args.docs / "benchmarks.md")
-    return 0
+    return publish("Quantized weights (speed)", body, problems, args.docs, not args.no_write)
 
 
 def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:

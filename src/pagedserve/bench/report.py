@@ -43,3 +43,14 @@ def replace_section(section: str, doc: Path = DOC) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     doc.write_text(text)
+
+
+def publish(title: str, body: str, problems: list[str], docs: Path, write: bool = True) -> int:
+    """Prints the section; writes it to docs/benchmarks.md only when the run checked out. The exit code."""
+    print(body)
+    if problems:
+        print("the run did not check out; docs/benchmarks.md left alone:\n  " + "\n  ".join(problems), flush=True)
+        return 1
+    if write:
+        write_section(title, body, docs / "benchmarks.md")
+    return 0

@@ -81,6 +81,7 @@ class AsyncLLM:
     def __init__(self, engine: Any):
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.grammars = engine.grammars  # thread-safe: the server compiles constraints before adding requests
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.max_num_seqs: int = engine.config.max_num_seqs

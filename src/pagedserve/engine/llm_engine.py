@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, call step() in a loop, read RequestOutputs."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import random
 import time
@@ -13,9 +14,10 @@ from pagedserve.engine.calibration import CALIBRATION_TEXT
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache import KVCacheManager
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
-from pagedserve.engine.request import Request
+from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, score_tokens
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.structured_output import GrammarCompiler, advance
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
@@ -108,6 +110,8 @@ class LLMEngine:
                                  kv_cache_tokens=num_blocks * config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_protect_after, config.priority_preemption_delay)
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
+        self.compiling: list[tuple[concurrent.futures.Future, RequestGroup, Request]] = []  # wait for a grammar
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, tuple[RequestGroup, int]] = {}
         self.rng = random.Random(config.seed)
@@ -139,13 +143,21 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = (None, list(prompt)) if isinstance(prompt, list) else (prompt, self.tokenizer.encode(prompt))
         params = self._validated(ids, params)
+        grammar = self.grammars.submit(params.guided_decoding) if params.guided_decoding else None
+        if grammar is not None and grammar.done():
+            grammar.result()  # an invalid spec that failed at once raises here, before the request exists
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         group = RequestGroup(request_id, text, ids)
         self.groups[request_id] = group
-        self._add_seq(group, Request(request_id, ids, params, time.monotonic(), seed, priority,
-                                     cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
-                                     pending_children=params.n - 1))
+        req = Request(request_id, ids, params, time.monotonic(), seed, priority, cache_salt=cache_salt,
+                      eos_token_ids=self.eos_token_ids, pending_children=params.n - 1)
         self.prompt_tokens_total += len(ids)
+        if grammar is None or grammar.done():
+            req.matcher = grammar.result().deep_copy() if grammar else None
+            self._add_seq(group, req)
+        else:  # compiling off this thread: the request joins the scheduler once its grammar is ready
+            self._register_seq(group, req)
+            self.compiling.append((grammar, group, req))
 
     def _validated(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         if not ids:
@@ -169,12 +181,15 @@ class LLMEngine:
                              "generate)")
         return params
 
-    def _add_seq(self, group: RequestGroup, req: Request, running: bool = False) -> None:
+    def _register_seq(self, group: RequestGroup, req: Request) -> None:
         p = req.params
         group.seqs.append(req)
         group.detoks.append(IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
                                                    p.include_stop_str_in_output))
         self.seqs[req.request_id] = (group, len(group.seqs) - 1)
+
+    def _add_seq(self, group: RequestGroup, req: Request, running: bool = False) -> None:
+        self._register_seq(group, req)
         if running:
             self.scheduler.add_running(req)
         else:
@@ -184,6 +199,7 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return
+        self.compiling = [c for c in self.compiling if c[1] is not group]
         for seq in group.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -191,7 +207,32 @@ class LLMEngine:
             self.seqs.pop(seq.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedules requests whose grammar is ready; fails those whose spec did not compile. With nothing
+        else to run, waits briefly for a grammar rather than spinning."""
+        if self.compiling and not self.scheduler.has_unfinished():
+            concurrent.futures.wait([c[0] for c in self.compiling], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        failed, still = [], []
+        for future, group, req in self.compiling:
+            if not future.done():
+                still.append((future, group, req))
+            elif future.exception() is not None:
+                failed.append(self._fail(group, str(future.exception())))
+            else:
+                req.matcher = future.result().deep_copy()
+                self.scheduler.add(req)
+        self.compiling = still
+        return failed
+
+    def _fail(self, group: RequestGroup, error: str) -> RequestOutput:
+        self.groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            seq.status, seq.finish_reason = RequestStatus.FINISHED, "abort"
+            self.seqs.pop(seq.request_id, None)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, [], True, error=error)
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()
@@ -203,9 +244,10 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled() if self.compiling else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return failed
         batch = self.runner.prepare(sched.scheduled, self.kv.req_blocks)
         hidden = self.runner.execute(batch)
         if batch.prompt_rows:
@@ -216,10 +258,10 @@ class LLMEngine:
             self.kv.cache_full_blocks(req)
         rows, reqs = self._fork_children(list(range(len(batch.sample_reqs))), batch.sample_reqs)
         if not reqs:
-            return []
+            return failed
         logits = self.runner.compute_logits(hidden[rows])
-        out = sample(logits, SamplingBatch.build(reqs, logits.shape[1]))
-        return self._process(reqs, out)
+        out = sample(logits, SamplingBatch.build(reqs, logits.shape[1], self.grammars.fill_mask(reqs)))
+        return failed + self._process(reqs, out)
 
     def _score_prompts(self, batch: BatchInputs, hidden: torch.Tensor) -> None:
         """Prompt logprobs of this step's prompt positions; a recomputed position (after preemption) is
@@ -248,7 +290,8 @@ class LLMEngine:
                 req.pending_children -= 1
                 child = Request(f"{req.request_id}#{index}", req.prompt_token_ids, req.params, req.arrival_time,
                                 hash((req.seed, index)) & (2**63 - 1), req.priority, parent_id=req.request_id,
-                                index=index, cache_salt=req.cache_salt, eos_token_ids=req.eos_token_ids)
+                                index=index, cache_salt=req.cache_salt, eos_token_ids=req.eos_token_ids,
+                                matcher=req.matcher.deep_copy() if req.matcher is not None else None)
                 forked = self.kv.fork(req, child.request_id)
                 if forked is None:  # no block for the copy-on-write tail: recompute (mostly prefix-cache hits)
                     self._add_seq(group, child)
@@ -271,18 +314,22 @@ class LLMEngine:
             if req.logprobs is not None:
                 req.logprobs.append(self._logprob_entry(token, i, lp, req.params.logprobs))
             stop_str = group.detoks[index].add_token(token)
-            self._check_finished(req, token, stop_str)
+            self._check_finished(req, token, stop_str, advance(req, token) if req.matcher is not None else None)
             touched[group.request_id] = group
         return [self._output(g) for g in touched.values()]
 
-    def _check_finished(self, req: Request, token: int, stop_str: str | None) -> None:
+    def _check_finished(self, req: Request, token: int, stop_str: str | None, grammar_end: str | None) -> None:
         p = req.params
-        if stop_str is not None:
+        if grammar_end == "abort":  # the grammar rejected the token: never return output that breaks it
+            req.finish_reason = "abort"
+        elif stop_str is not None:
             req.finish_reason, req.stop_reason = "stop", stop_str
         elif req.num_output_tokens >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)):
             req.finish_reason = "stop"
             req.stop_reason = token if token in p.stop_token_ids else None
+        elif grammar_end is not None:  # the grammar is complete and admits no further token
+            req.finish_reason = "stop"
         elif req.num_output_tokens >= req.max_tokens:
             req.finish_reason = "length"
         if req.finish_reason is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class Request:
     logprobs: SampleLogprobs | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # grows as prompt chunks are computed
     pending_children: int = 0  # n - 1 samples still to fork from this one when its prompt is done
+    matcher: Any = None  # llguidance.LLMatcher of a constrained request (its own copy), else None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

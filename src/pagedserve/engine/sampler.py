@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.request import Request
+from pagedserve.engine.structured_output import GrammarMask, apply_mask, restore_dead_rows
 
 M32 = 0xFFFFFFFF
 
@@ -29,9 +30,10 @@ class SamplingBatch:
     penalties: Penalties | None
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked out, e.g. EOS before min_tokens
     max_logprobs: int | None  # largest number of alternatives asked for; None: no row wants logprobs
+    grammar: GrammarMask | None = None  # tokens the constrained rows' grammars allow
 
     @classmethod
-    def build(cls, reqs: list[Request], vocab_size: int) -> SamplingBatch:
+    def build(cls, reqs: list[Request], vocab_size: int, grammar: GrammarMask | None = None) -> SamplingBatch:
         ps = [r.params for r in reqs]
         temps = [0.0 if p.greedy else p.temperature for p in ps]
         top_k = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in ps]
@@ -49,6 +51,7 @@ class SamplingBatch:
             penalties=Penalties.build(reqs),
             banned=[(i, banned_tokens(r)) for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens],
             max_logprobs=max(wants) if wants else None,
+            grammar=grammar,
         )
 
 
@@ -130,8 +133,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
     if batch.penalties is not None:
         batch.penalties.apply(logits)
+    masked = None
+    if batch.grammar is not None:
+        apply_mask(logits, batch.grammar)
+        masked = logits[batch.grammar.rows] if batch.banned else None  # a copy, for restore_dead_rows
     for row, ids in batch.banned:
         logits[row, ids] = float("-inf")
+    if masked is not None:
+        restore_dead_rows(logits, batch.grammar, masked)
     greedy = logits.argmax(dim=-1)
     tokens = greedy if batch.all_greedy else torch.where(batch.temperature > 0, draw(logits, batch), greedy)
     if raw_logprobs is None:

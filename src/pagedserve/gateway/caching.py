@@ -72,6 +72,9 @@ class CacheStage:
         if call.scope is None or call.vector is None or not isinstance(choices, list) or len(choices) != 1:
             return
         choice = choices[0] if isinstance(choices[0], dict) else {}
+        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        if message.get("tool_calls") or choice.get("finish_reason") == "tool_calls":
+            return  # a call is an action on this exact request's arguments, not an answer to reuse
         finish = choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
         completion_tokens = usage.get("completion_tokens")

@@ -54,6 +54,7 @@ class StreamAssembler:
     usage: dict | None = None
     model: str | None = None
     chunks: int = 0
+    tool_calls: dict[int, dict] = field(default_factory=dict)
 
     def add(self, event: dict) -> None:
         """Raises ValueError for an event not shaped like OpenAI's (the relay ends the stream with an error)."""
@@ -68,13 +69,31 @@ class StreamAssembler:
             delta = choice.get("delta") if self.kind == "chat" else choice
             piece = delta.get("content" if self.kind == "chat" else "text") if isinstance(delta, dict) else None
             self.parts.append(piece if isinstance(piece, str) else "")
+            if isinstance(delta, dict) and isinstance(delta.get("tool_calls"), list):
+                self._add_calls(delta["tool_calls"])
             finish = choice.get("finish_reason")
             self.finish_reason = finish if isinstance(finish, str) else self.finish_reason
+
+    def _add_calls(self, deltas: list) -> None:
+        """OpenAI's tool-call deltas: the first of a call has its id and name, later ones add argument text."""
+        for d in deltas:
+            if not isinstance(d, dict) or not isinstance(d.get("index"), int):
+                raise ValueError(f"malformed tool call delta in a stream event: {str(d)[:100]}")  # noqa: TRY004 (as add)
+            call = self.tool_calls.setdefault(d["index"], {"id": None, "type": "function",
+                                                          "function": {"name": None, "arguments": ""}})
+            call["id"] = d.get("id") or call["id"]
+            fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+            call["function"]["name"] = fn.get("name") or call["function"]["name"]
+            if isinstance(fn.get("arguments"), str):
+                call["function"]["arguments"] += fn["arguments"]
 
     def body(self) -> dict:
         text = "".join(self.parts)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": self.finish_reason}
+            message: dict = {"role": "assistant", "content": (text or None) if self.tool_calls else text}
+            if self.tool_calls:
+                message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+            choice = {"index": 0, "message": message, "finish_reason": self.finish_reason}
             obj = "chat.completion"
         else:
             choice, obj = {"index": 0, "text": text, "finish_reason": self.finish_reason}, "text_completion"

@@ -38,7 +38,13 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (else the server writes them in Hermes style)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -48,6 +54,7 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=special[self.bos_token_id].content if self.bos_token_id in special else "",
             eos_token=special[self.eos_token_id].content if self.eos_token_id in special else "",
         )

@@ -32,12 +32,20 @@ from pagedserve.server.serving import (
     token_text,
     usage,
 )
+from pagedserve.server.structured import compile_spec, guided_spec
+from pagedserve.server.tools import ToolCallStream, ToolPlan, parse_output, render_turns, tool_plan
 
 
-def render_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def render_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                  plan: ToolPlan | None = None) -> str:
+    tokenizer = state.engine.tokenizer
+    native = plan is not None and plan.choice != "none" and tokenizer.template_has_tools
     try:
-        return state.engine.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
+        if native:  # the template writes tools, calls and results in its own syntax
+            turns = [m.model_dump(exclude_none=True) for m in messages]
+            return tokenizer.apply_chat_template(turns, add_generation_prompt,
+                                                 tools=[t.model_dump(exclude_none=True) for t in plan.tools])
+        return tokenizer.apply_chat_template(render_turns(messages, plan), add_generation_prompt)
     except Exception as exc:
         raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
 
@@ -45,30 +53,47 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  ctx: RequestContext) -> ChatCompletionResponse | EventStream:
     state.check_generation_model(req.model)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format type '{req.response_format.type}' is not supported; "
-                            "only 'text' is (no constrained decoding)", "response_format")
-    prompt = render_prompt(state, req.messages, req.add_generation_prompt)
+    plan = tool_plan(req)
+    guided, param = guided_spec(req)
+    if plan is not None and plan.constraint() is not None:
+        if guided is not None:
+            raise APIError(400, f"tool_choice '{plan.choice}' constrains the output; it cannot be combined with "
+                                f"{param}", param)
+        guided, param = plan.constraint(), "tools"
+    if guided is not None:
+        await compile_spec(state.engine, guided, param)
+    prompt = render_prompt(state, req.messages, req.add_generation_prompt, plan)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(state, req, req.max_completion_tokens or req.max_tokens, top)
+    params = sampling_params(state, req, req.max_completion_tokens or req.max_tokens, top, guided)
     request_id = random_id("chatcmpl")
     call = await start_streams(state, ctx, request_id, [prompt], params, "messages")
+    parse = plan if plan is not None and plan.parses else None
     if req.stream:
         stream = await primed(merged(state, call))
-        return EventStream(_stream(state, req, request_id, stream, ctx.degraded), call, ctx.headers)
+        return EventStream(_stream(state, req, request_id, stream, ctx.degraded, parse), call, ctx.headers)
     outputs = await final_outputs(state, call)
-    choices = [
-        ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                   logprobs=_logprobs(state, c, 0, top) if top is not None else None,
-                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        for c in outputs[0].outputs
-    ]
+    choices = [_choice(state, c, top, parse) for c in outputs[0].outputs]
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(outputs),
                                   degraded=ctx.degraded)
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str,
-                  outputs: AsyncIterator, degraded: list[str] | None) -> AsyncIterator[str]:
+def _choice(state: ServerState, c: CompletionOutput, top: int | None, plan: ToolPlan | None) -> ChatChoice:
+    content, calls = parse_output(c.text, plan) if plan is not None else (c.text, [])
+    return ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls or None),
+                      logprobs=_logprobs(state, c, 0, top) if top is not None else None,
+                      finish_reason=_finish_reason(c.finish_reason, bool(calls), plan),
+                      stop_reason=c.stop_reason)
+
+
+def _finish_reason(reason: str | None, called: bool, plan: ToolPlan | None) -> str | None:
+    """OpenAI's: `tool_calls` when the model chose to call (auto, required); a named call ends with `stop`."""
+    if reason == "stop" and called and plan is not None and not plan.named:
+        return "tool_calls"
+    return reason
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, outputs: AsyncIterator,
+                  degraded: list[str] | None, plan: ToolPlan | None) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     top = (req.top_logprobs or 0) if req.logprobs else None
 
@@ -78,6 +103,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
 
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    parsers = {i: ToolCallStream(plan) for i in range(req.n)} if plan is not None else {}
     finished: set[int] = set()
     last: RequestOutput | None = None
     try:
@@ -89,16 +115,23 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                 if c.index in finished:
                     continue
                 start_text, start_tok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                text = c.text[start_text:]
-                if text or len(c.token_ids) > start_tok:
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                text, calls = c.text[start_text:], []
+                if c.index in parsers:
+                    text, calls = parsers[c.index].feed(text)
+                    text += parsers[c.index].finish() if c.finish_reason else ""
+                sent_text[c.index] = len(c.text)
+                if text or calls or (top is not None and len(c.token_ids) > start_tok):
+                    sent_tokens[c.index] = len(c.token_ids)
                     yield chunk(ChatChunkChoice(
-                        index=c.index, delta=DeltaMessage(content=text),
+                        index=c.index, delta=DeltaMessage(content=text if text or not calls else None,
+                                                          tool_calls=calls or None),
                         logprobs=_logprobs(state, c, start_tok, top) if top is not None else None))
                 if c.finish_reason:
                     finished.add(c.index)
+                    called = c.index in parsers and bool(parsers[c.index].calls)
                     yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(),
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=_finish_reason(c.finish_reason, called, plan),
+                                                stop_reason=c.stop_reason))
         if include_usage and last is not None:
             body = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[], usage=usage([last]))
             yield sse(body.model_dump_json())

@@ -25,6 +25,7 @@ from pagedserve.server.serving import (
     token_text,
     usage,
 )
+from pagedserve.server.structured import compile_spec, guided_spec
 
 
 def prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -40,7 +41,10 @@ async def create_completion(state: ServerState, req: CompletionRequest,
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
     prompts = prompt_list(req.prompt)
-    params = sampling_params(state, req, req.max_tokens, req.logprobs)
+    guided, param = guided_spec(req)
+    if guided is not None:
+        await compile_spec(state.engine, guided, param)
+    params = sampling_params(state, req, req.max_tokens, req.logprobs, guided)
     request_id = random_id("cmpl")
     call = await start_streams(state, ctx, request_id, prompts, params)
     if req.stream:

@@ -33,6 +33,7 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
 )
 from pagedserve.server.serving import RequestContext, ServerState, until_disconnect
+from pagedserve.server.tools import ToolPlan
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -114,7 +115,9 @@ def _api_routes(state: ServerState, auth: list) -> APIRouter:
     @r.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         state.check_generation_model(req.model)
-        text = req.prompt if req.messages is None else render_prompt(state, req.messages, req.add_generation_prompt)
+        plan = ToolPlan(req.tools, "auto") if req.tools else None
+        text = req.prompt if req.messages is None else render_prompt(state, req.messages, req.add_generation_prompt,
+                                                                     plan)
         tokens = state.engine.tokenizer.encode(text)
         return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
 

@@ -71,6 +71,26 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(StrictModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict | None = Field(None, alias="schema", description="the JSON schema; absent: any JSON object")
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only there")
+        return self
+
+
 class SamplingFields(StrictModel):
     """Sampling fields common to completions and chat, including vLLM's extras."""
 
@@ -90,6 +110,13 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(0, ge=0, description="vLLM extra")
     skip_special_tokens: bool = Field(True, description="vLLM extra")
     include_stop_str_in_output: bool = Field(False, description="vLLM extra")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: "
+                                                                     "enforced while decoding")
+    guided_json: dict | Text | None = Field(None, description="vLLM extra: a JSON schema the output follows")
+    guided_regex: Text | None = Field(None, description="vLLM extra: a regex the output matches")
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = Field(
+        None, description="vLLM extra: the output is one of these strings")
+    guided_grammar: Text | None = Field(None, description="vLLM extra: a Lark or GBNF (EBNF) grammar")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -162,10 +189,31 @@ class TextPart(StrictModel):
     text: Text
 
 
+class FunctionCall(StrictModel):
+    name: Text
+    arguments: Text  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCall(StrictModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls")
+    tool_call_id: Text | None = Field(None, description="a tool turn: the call it answers")
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -173,9 +221,25 @@ class ChatMessage(StrictModel):
         return self.content or ""
 
 
-class ResponseFormat(StrictModel):
-    type: Text
-    json_schema: dict | None = None
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: Text
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 # top_logprobs asks for alternatives of logprobs, so it needs logprobs: true (OpenAI's rule), said in the schema too.
@@ -193,7 +257,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
-    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is supported")
+    tools: list[ChatTool] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto when tools are given")
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = Field(True, description="vLLM extra")
 
     @model_validator(mode="after")
@@ -220,6 +287,19 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -244,6 +324,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -320,12 +401,15 @@ class TokenizeRequest(StrictModel):
     model: Text | None = None
     prompt: Text = Field(None, description="text to tokenize as is; or give messages")  # type: ignore[assignment]
     messages: list[ChatMessage] = Field(None, description="a chat to render with the model's template")  # type: ignore[assignment]
+    tools: list[ChatTool] | None = Field(None, min_length=1, max_length=128, description="rendered with messages")
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages")
         return self
 
 

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams
 from pagedserve.server.admission import AdmissionConfig, AdmissionController, Rejected, Ticket, parse_priority
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
@@ -41,8 +41,8 @@ class ServerState:
         raise APIError(404, f"The model '{requested}' does not exist.", "model", "model_not_found")
 
 
-def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    guided: GuidedDecodingParams | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     vocab = getattr(state.engine.tokenizer, "vocab_size", None)
     if vocab is not None and any(t >= vocab for t in req.stop_token_ids or []):
@@ -54,7 +54,7 @@ def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | N
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
             stop_token_ids=list(req.stop_token_ids or []), max_tokens=max_tokens, min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output, guided_decoding=guided,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc

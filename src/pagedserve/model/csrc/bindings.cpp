@@ -21,6 +21,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
                        c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, torch::Tensor spans,
                        torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out);
 
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool");
   m.def("prefill_attention_available", &prefill_attention_available, "whether this CPU build has prefill_attention");
@@ -30,5 +32,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_paths", &quant_paths, "quantized-matmul paths built for this CPU (0 scalar, 1 AVX2)");
   m.def("quant_linear", &quant_linear, "x @ W^T over planar int8/int4 weights, activations quantized per 32");
   m.def("quant_dequantize", &quant_dequantize, "planar int8/int4 weights as a float matrix");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "mask fp32 logits rows in place by packed grammar bitmasks");
   m.def("rope_and_cache", &rope_and_cache, "rotate q and k in place and write k, v into the paged caches");
 }

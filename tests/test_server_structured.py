@@ -1,0 +1,248 @@
+"""Structured outputs and tool calling over HTTP: a real `pagedserve serve` driven by the official openai client
+(`chat.completions.parse` with a pydantic model, tools round trips streamed and not) and raw httpx for the errors."""
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from pagedserve.server.protocol import ChatTool
+from pagedserve.server.tools import ToolCallStream, ToolPlan, parse_output
+from tests.server_support import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 30},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a time zone",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["timezone"],
+                   "properties": {"timezone": {"type": "string", "maxLength": 40}}}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+ITEM = {"type": "object", "additionalProperties": False, "required": ["product", "quantity"],
+        "properties": {"product": {"type": "string", "maxLength": 20},
+                       "quantity": {"type": "integer", "minimum": 1, "maximum": 99}}}
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    city: str = Field(max_length=24)
+
+
+@pytest.fixture(scope="module")
+def server() -> str:
+    srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+                         "--shed-after", ""])
+    yield srv.url
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def check_calls(calls) -> None:
+    """Every call names a known tool and its arguments follow that tool's schema."""
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_parse_returns_a_pydantic_object(client):
+    completion = client.chat.completions.parse(
+        model=MODEL, response_format=Person, max_tokens=80, temperature=0,
+        messages=[{"role": "user", "content": "Invent a person and describe them."}])
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Person)
+    assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_modes_on_completions_with_n_and_seeds(client):
+    prompt = "A grocery order as JSON:"
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=1.0, seed=3, n=3,
+                                     extra_body={"guided_json": ITEM})
+    strict = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=1.0, seed=3, n=3,
+                                       extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                           "name": "item", "schema": ITEM}}})
+    for c in free.choices + strict.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), ITEM)
+    # guided_json and response_format compile to the same grammar: same seeds, same texts.
+    assert [c.text for c in free.choices] == [c.text for c in strict.choices]
+    assert len({c.text for c in free.choices}) > 1  # n samples, not one repeated
+    obj = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=60,
+                                    temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].text), dict)
+    else:  # an open object may run out of tokens, and says so; what came is a prefix of one
+        assert obj.choices[0].finish_reason == "length" and obj.choices[0].text.startswith("{")
+
+
+def test_streamed_json_schema_matches_the_unstreamed_answer(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": ITEM, "strict": True}}
+    messages = [{"role": "user", "content": "Order some apples."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt, max_tokens=60,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt,
+                                                 max_tokens=60, temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), ITEM)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_guided_regex_choice_and_grammar(client):
+    def chat(**extra) -> str:
+        r = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0.7, seed=1,
+                                           messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                           extra_body=extra)
+        assert r.choices[0].finish_reason == "stop"
+        return r.choices[0].message.content
+
+    assert chat(guided_choice=["yes", "no", "maybe"]) in ("yes", "no", "maybe")
+    phone = chat(guided_regex=r"\(\d{3}\) \d{3}-\d{4}")
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone), phone
+    assert chat(guided_grammar='root ::= "It is " ("blue" | "grey") "."') in ("It is blue.", "It is grey.")
+    lark = chat(guided_grammar='start: "answer: " WORD\nWORD: /[a-z]{2,8}/')
+    assert lark.startswith("answer: ") and lark[8:].isalpha() and lark[8:].islower()
+
+
+def test_tool_round_trip_required_then_answer(client, server):
+    first = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=80, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    check_calls(choice.message.tool_calls)
+    call = choice.message.tool_calls[0]
+    result = json.dumps({"temperature": 18, "unit": "celsius", "sky": "cloudy"})
+    turns = ASK_WEATHER + [choice.message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": result}]
+    # The model continues from the result: the rendered prompt carries the call and the result.
+    tokens = httpx.post(f"{server}/tokenize", json={"messages": turns, "tools": TOOLS}).json()["tokens"]
+    prompt = httpx.post(f"{server}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert f"<tool_response>\n{result}\n</tool_response>" in prompt
+    assert '"name": "get_weather"' in prompt and "<tools>" in prompt
+    second = client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, max_tokens=40, temperature=0)
+    answer = second.choices[0]
+    assert answer.message.content and answer.finish_reason in ("stop", "length")
+    # The same turns streamed give the same answer.
+    streamed = list(client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, max_tokens=40,
+                                                   temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer.message.content
+
+
+def test_streamed_named_tool_call_matches_the_unstreamed_one(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    messages = [{"role": "user", "content": "What time is it in Tokyo?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
+                                           max_tokens=60, temperature=0)
+    assert whole.choices[0].finish_reason == "stop"  # OpenAI's: a forced call ends with stop
+    check_calls(whole.choices[0].message.tool_calls)
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_time"]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
+                                                max_tokens=60, temperature=0, stream=True):
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = d.id or call["id"]
+            call["name"] += d.function.name or ""
+            call["arguments"] += d.function.arguments or ""
+    assert finish == "stop" and len(calls) == 1
+    expected = whole.choices[0].message.tool_calls[0].function
+    assert calls[0]["name"] == expected.name and json.loads(calls[0]["arguments"]) == json.loads(expected.arguments)
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_parallel_required_calls_all_parse(client):
+    r = client.chat.completions.create(
+        model=MODEL, tools=TOOLS, tool_choice="required", max_tokens=150, temperature=0.8, seed=5, n=2,
+        messages=[{"role": "user", "content": "Weather in Oslo and the time in Lima, please."}])
+    for c in r.choices:
+        if c.finish_reason == "tool_calls":
+            check_calls(c.message.tool_calls)
+        else:  # ran out of tokens inside a further call: the finished calls still parse
+            assert c.finish_reason == "length"
+
+
+PLAN = ToolPlan([ChatTool.model_validate(t) for t in TOOLS], "auto", True, set(SCHEMAS))
+OUTPUT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "America/Lima"}}\n</tool_call>'
+          '<tool_call>{"name": "unknown_fn", "arguments": {}}</tool_call> <tool_call>{"nam')
+
+
+def test_auto_parser_and_stream_agree_at_every_split():
+    content, calls = parse_output(OUTPUT, PLAN)
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1].function.arguments) == {"timezone": "America/Lima"}
+    assert content.startswith("Let me check.") and "unknown_fn" in content and content.endswith('{"nam')
+    for split in range(1, len(OUTPUT)):
+        stream = ToolCallStream(PLAN)
+        text_a, deltas_a = stream.feed(OUTPUT[:split])
+        text_b, deltas_b = stream.feed(OUTPUT[split:])
+        streamed = text_a + text_b + stream.finish()
+        names = [d.function.name for d in deltas_a + deltas_b if d.function.name]
+        assert names == ["get_weather", "get_time"], split
+        assert streamed.replace("\n", "") == content.replace("\n", ""), split
+    single = ToolPlan(PLAN.tools, "auto", False, PLAN.names)
+    assert [c.function.name for c in parse_output(OUTPUT, single)[1]] == ["get_weather"]
+    plain = "No tools needed: <tool_call is not a tag"
+    assert parse_output(plain, PLAN) == (plain, [])
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": []}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
+def test_bad_constraints_are_400s_naming_the_field(server, extra, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_server_healthy_after_bad_constraints(client, server):
+    for body in (b.copy() for b, _ in BAD[:3]):
+        httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}, timeout=60)
+    assert httpx.get(f"{server}/health").status_code == 200
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0,
+                                  extra_body={"guided_regex": r" \d(, \d)*"})
+    assert r.choices[0].text.startswith(" 4")
