@@ -15,6 +15,7 @@ class GuidedDecodingParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    key: tuple[str, str] = field(init=False, repr=False, compare=False)  # (kind, canonical text), set at init
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -24,13 +25,18 @@ class GuidedDecodingParams:
                              f"grammar; got {', '.join(kinds) or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("guided choice must be a non-empty list of non-empty strings")
+        object.__setattr__(self, "key", self._canonical())
 
-    @property
-    def key(self) -> tuple[str, str]:
+    def _canonical(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints share one compiled grammar."""
         if self.json is not None:
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return "json", json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output order
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+                return "json", json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output order
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            except (RecursionError, TypeError, ValueError) as exc:
+                raise ValueError(f"the JSON schema cannot be read: {type(exc).__name__}: {exc}") from None
         if self.json_object:
             return "json_object", ""
         if self.choice is not None:

@@ -39,6 +39,8 @@ def _spec(req: SamplingFields, param: str) -> GuidedDecodingParams:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"guided_json is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("guided_json is nested too deeply") from None
         if not isinstance(schema, dict):
             raise ValueError("guided_json must be a JSON schema object")
         return GuidedDecodingParams(json=schema)
