@@ -5,6 +5,7 @@ import os
 import platform
 import re
 import shlex
+import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +19,15 @@ def machine_line() -> str:
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"Machine: {cpu}, {os.cpu_count()} cores, CPU only, load average {load} at the end. "
-            f"Date: {datetime.now():%Y-%m-%d %H:%M}.")
+            f"Date: {datetime.now():%Y-%m-%d %H:%M}. Commit: {commit()}.")
+
+
+def commit() -> str:
+    """The checkout's commit, marked +dirty when tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def command_line() -> str:
