@@ -10,7 +10,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from pagedserve.server.protocol import ChatTool
-from pagedserve.server.tools import ToolCallStream, ToolPlan, parse_output
+from pagedserve.server.tool_parsers import Llama3JsonParser, choose_parser
+from pagedserve.server.tools import ToolCallStream, ToolPlan
 from tests.server_support import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -185,23 +186,72 @@ OUTPUT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
           '<tool_call>{"name": "unknown_fn", "arguments": {}}</tool_call> <tool_call>{"nam')
 
 
-def test_auto_parser_and_stream_agree_at_every_split():
-    content, calls = parse_output(OUTPUT, PLAN)
+def streamed(plan: ToolPlan, text: str, split: int) -> tuple[str, list[str]]:
+    """The content and called names a stream produces when text arrives in two pieces."""
+    stream = ToolCallStream(plan)
+    text_a, deltas_a = stream.feed(text[:split])
+    text_b, deltas_b = stream.feed(text[split:])
+    rest, deltas_c = stream.finish()
+    return text_a + text_b + rest, [d.function.name for d in deltas_a + deltas_b + deltas_c if d.function.name]
+
+
+def test_hermes_parser_and_stream_agree_at_every_split():
+    content, calls = PLAN.parse(OUTPUT)
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[1].function.arguments) == {"timezone": "America/Lima"}
     assert content.startswith("Let me check.") and "unknown_fn" in content and content.endswith('{"nam')
     for split in range(1, len(OUTPUT)):
-        stream = ToolCallStream(PLAN)
-        text_a, deltas_a = stream.feed(OUTPUT[:split])
-        text_b, deltas_b = stream.feed(OUTPUT[split:])
-        streamed = text_a + text_b + stream.finish()
-        names = [d.function.name for d in deltas_a + deltas_b if d.function.name]
+        text, names = streamed(PLAN, OUTPUT, split)
         assert names == ["get_weather", "get_time"], split
-        assert streamed.replace("\n", "") == content.replace("\n", ""), split
+        assert text.replace("\n", "") == content.replace("\n", ""), split
     single = ToolPlan(PLAN.tools, "auto", False, PLAN.names)
-    assert [c.function.name for c in parse_output(OUTPUT, single)[1]] == ["get_weather"]
+    assert [c.function.name for c in single.parse(OUTPUT)[1]] == ["get_weather"]
     plain = "No tools needed: <tool_call is not a tag"
-    assert parse_output(plain, PLAN) == (plain, [])
+    assert PLAN.parse(plain) == (plain, [])
+
+
+def test_llama3_json_parser_and_stream():
+    plan = ToolPlan(PLAN.tools, "auto", True, PLAN.names, Llama3JsonParser())
+    calls_text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}; '
+                  '{"name": "get_time", "parameters": {"timezone": "UTC"}}')
+    content, calls = plan.parse(calls_text)
+    assert content is None and [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Oslo", "unit": "celsius"}
+    for text, expected in [(calls_text, ["get_weather", "get_time"]), ("It is sunny in Oslo {today}.", []),
+                           ('{"name": "launch_rocket", "parameters": {}}', []), ('{"name": "get_time", "par', [])]:
+        for split in range(1, len(text)):
+            out, names = streamed(plan, text, split)
+            assert names == expected, (text, split)
+            assert out == ("" if expected else text), (text, split)
+    assert choose_parser("auto", "{% if message.role == 'ipython' %}<|python_tag|>{% endif %}").name == "llama3_json"
+    assert choose_parser("auto", "<|im_start|>{{ message.role }}").name == "hermes"
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        choose_parser("mistral", None)
+
+
+def test_llama3_json_format_on_a_server():
+    """The same model told to write Llama 3 style calls: forced calls parse, streamed and not."""
+    srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "1024",
+                         "--tool-call-parser", "llama3_json"])
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=80, temperature=0)
+        assert r.choices[0].finish_reason == "tool_calls"
+        check_calls(r.choices[0].message.tool_calls)
+        deltas = [d for c in client.chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            max_tokens=80, temperature=0, stream=True) if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert [d.function.name for d in deltas if d.function.name] == [
+            c.function.name for c in r.choices[0].message.tool_calls]
+        turns = ASK_WEATHER + [r.choices[0].message.model_dump(exclude_none=True),
+                               {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id,
+                                "content": "18 degrees"}]
+        tokens = httpx.post(f"{srv.url}/tokenize", json={"messages": turns, "tools": TOOLS}).json()["tokens"]
+        prompt = httpx.post(f"{srv.url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+        assert "ipython\n18 degrees" in prompt and '"parameters": {' in prompt
+    finally:
+        srv.stop()
 
 
 BAD = [

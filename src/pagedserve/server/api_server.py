@@ -15,6 +15,7 @@ from pagedserve.server.admission import AdmissionConfig, AdmissionController, pa
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.openai_api import create_app
 from pagedserve.server.serving import ServerState
+from pagedserve.server.tool_parsers import choose_parser
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,12 @@ def build_state(args: argparse.Namespace) -> ServerState:
     name = args.served_model_name or engine.model_name
     admission = AdmissionController(admission_config(args, engine),
                                     backlogged=lambda: engine.stats.num_waiting > 0)
+    try:
+        parser = choose_parser(args.tool_call_parser, engine.tokenizer.chat_template)
+    except ValueError as exc:
+        raise SystemExit(f"--tool-call-parser: {exc}") from None
     return ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder,
-                       admission=admission)
+                       admission=admission, tool_parser=parser)
 
 
 def admission_config(args: argparse.Namespace, engine: AsyncLLM) -> AdmissionConfig:

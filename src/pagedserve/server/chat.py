@@ -33,7 +33,7 @@ from pagedserve.server.serving import (
     usage,
 )
 from pagedserve.server.structured import compile_spec, guided_spec
-from pagedserve.server.tools import ToolCallStream, ToolPlan, parse_output, render_turns, tool_plan
+from pagedserve.server.tools import ToolCallStream, ToolPlan, render_turns, tool_plan
 
 
 def render_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -45,7 +45,7 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
             turns = [m.model_dump(exclude_none=True) for m in messages]
             return tokenizer.apply_chat_template(turns, add_generation_prompt,
                                                  tools=[t.model_dump(exclude_none=True) for t in plan.tools])
-        return tokenizer.apply_chat_template(render_turns(messages, plan), add_generation_prompt)
+        return tokenizer.apply_chat_template(render_turns(messages, plan, state.tool_parser), add_generation_prompt)
     except Exception as exc:
         raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
 
@@ -53,7 +53,7 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  ctx: RequestContext) -> ChatCompletionResponse | EventStream:
     state.check_generation_model(req.model)
-    plan = tool_plan(req)
+    plan = tool_plan(req, state.tool_parser)
     guided, param = guided_spec(req)
     if plan is not None and plan.constraint() is not None:
         if guided is not None:
@@ -78,7 +78,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 def _choice(state: ServerState, c: CompletionOutput, top: int | None, plan: ToolPlan | None) -> ChatChoice:
-    content, calls = parse_output(c.text, plan) if plan is not None else (c.text, [])
+    content, calls = plan.parse(c.text) if plan is not None else (c.text, [])
     return ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls or None),
                       logprobs=_logprobs(state, c, 0, top) if top is not None else None,
                       finish_reason=_finish_reason(c.finish_reason, bool(calls), plan),
@@ -118,7 +118,9 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                 text, calls = c.text[start_text:], []
                 if c.index in parsers:
                     text, calls = parsers[c.index].feed(text)
-                    text += parsers[c.index].finish() if c.finish_reason else ""
+                    if c.finish_reason:
+                        rest, more = parsers[c.index].finish()
+                        text, calls = text + rest, calls + more
                 sent_text[c.index] = len(c.text)
                 if text or calls or (top is not None and len(c.token_ids) > start_tok):
                     sent_tokens[c.index] = len(c.token_ids)

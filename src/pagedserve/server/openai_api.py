@@ -115,7 +115,7 @@ def _api_routes(state: ServerState, auth: list) -> APIRouter:
     @r.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         state.check_generation_model(req.model)
-        plan = ToolPlan(req.tools, "auto") if req.tools else None
+        plan = ToolPlan(req.tools, "auto", parser=state.tool_parser) if req.tools else None
         text = req.prompt if req.messages is None else render_prompt(state, req.messages, req.add_generation_prompt,
                                                                      plan)
         tokens = state.engine.tokenizer.encode(text)

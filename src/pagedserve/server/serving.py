@@ -21,6 +21,7 @@ from pagedserve.server.admission import AdmissionConfig, AdmissionController, Re
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
 from pagedserve.server.protocol import PromptTokensDetails, SamplingFields, Usage
+from pagedserve.server.tool_parsers import HermesParser, ToolParser
 
 ENGINE_RETRY_AFTER_S = 5  # what a 503 for a dead engine tells clients; a supervisor restarts us meanwhile
 
@@ -32,6 +33,7 @@ class ServerState:
     metrics: ServerMetrics
     embedder: Any = None  # pagedserve.embedding.Embedder, or None when embeddings are off
     admission: AdmissionController = field(default_factory=lambda: AdmissionController(AdmissionConfig()))
+    tool_parser: ToolParser = field(default_factory=HermesParser)  # how this model family writes tool calls
 
     def check_generation_model(self, requested: str | None) -> None:
         if requested is None or requested == self.model_name:
