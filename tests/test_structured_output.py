@@ -122,11 +122,11 @@ def test_a_new_schema_compiles_off_the_step_thread_without_stalling_the_batch():
     engine.grammars.compile = slow_compile
     engine.add_request("free", "Once upon a time", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     engine.add_request("json", "A person:", guided(json=SCHEMAS["person"], temperature=0))
-    assert engine.compiling, "the request waits for its grammar instead of blocking add_request"
+    assert engine.pending, "the request waits for its grammar instead of blocking add_request"
     done: dict[str, str] = {}
     while "free" not in done:  # the free request runs to the end while the grammar is still compiling
         done.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
-    assert engine.compiling and threads and threads[0].startswith("grammar")
+    assert engine.pending and threads and threads[0].startswith("grammar")
     release.set()
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
@@ -134,7 +134,7 @@ def test_a_new_schema_compiles_off_the_step_thread_without_stalling_the_batch():
     # The spec is cached now: the next request with it compiles nothing.
     count = len(engine.grammars.compile_seconds)
     engine.add_request("again", "Another person:", guided(json=SCHEMAS["person"], temperature=0))
-    assert not engine.compiling and len(engine.grammars.compile_seconds) == count
+    assert not engine.pending and len(engine.grammars.compile_seconds) == count
 
 
 @pytest.mark.parametrize("spec, message", [

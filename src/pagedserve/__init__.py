@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedserve.llm import LLM
+    from pagedserve.lora_request import LoRARequest
     from pagedserve.sampling_params import SamplingParams
 
-_LAZY = {"LLM": "pagedserve.llm", "SamplingParams": "pagedserve.sampling_params"}
-__all__ = ["LLM", "SamplingParams"]
+_LAZY = {"LLM": "pagedserve.llm", "SamplingParams": "pagedserve.sampling_params",
+         "LoRARequest": "pagedserve.lora_request"}
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -26,6 +26,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     attention_backend: str = "cpp"  # cpp: our C++ paged decode kernel (PyTorch fallback); torch: PyTorch only
     seed: int = 0
+    enable_lora: bool = False  # serve LoRA adapters (model/lora.py) beside the base model
+    max_loras: int = 4  # distinct adapters in one running batch
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32  # adapters kept in memory, least recently used evicted first
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -72,6 +76,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=d.attention_backend, choices=["cpp", "torch"],
                    help="decode attention: our C++ paged kernel (compiled on first use) or pure PyTorch")
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the model")
+    g.add_argument("--max-loras", type=int, default=d.max_loras, help="distinct adapters in one running batch")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                   help="adapters kept in memory; the least recently used unpinned one is evicted beyond this")
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML file whose keys (flag names, dashes or underscores) set values; "
                              "flags given on the command line win")

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -20,21 +21,28 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
-        """Runs all prompts together (continuous batching); returns outputs in prompt order."""
+                 progress: Callable[[int, int], None] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Runs all prompts together (continuous batching); returns outputs in prompt order. lora_request:
+        one adapter for every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = params or SamplingParams()
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(per_prompt) != len(prompts) or len(loras) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams and {len(loras)} LoRA requests for "
+                             f"{len(prompts)} prompts")
         for p in per_prompt:  # offline, an invalid constraint raises here (the server answers 400)
             if p.guided_decoding is not None:
                 self.engine.grammars.compile(p.guided_decoding)
+        for lora in {lora for lora in loras if lora is not None}:  # and an adapter that cannot load
+            if self.engine.loras is not None and self.engine.loras.get(lora) is None:
+                self.engine.loras.load(lora)
         ids = []
-        for prompt, p in zip(prompts, per_prompt):
+        for prompt, p, lora in zip(prompts, per_prompt, loras):
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, _prompt_input(prompt), p)
+            self.engine.add_request(request_id, _prompt_input(prompt), p, lora_request=lora)
             ids.append(request_id)
         return self._run(ids, progress)
 

@@ -5,7 +5,9 @@ import concurrent.futures
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -13,14 +15,17 @@ from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.calibration import CALIBRATION_TEXT
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache import KVCacheManager
+from pagedserve.engine.lora_manager import LoRAManager
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, score_tokens
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.structured_output import GrammarCompiler, advance
+from pagedserve.lora_request import LoRARequest
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
+from pagedserve.model.lora import LoRAAdapter
 from pagedserve.model.quant import QUANTIZATIONS
 from pagedserve.model.quant_linear import kernel_path, quantized_bytes
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -73,6 +78,24 @@ class RequestGroup:
         return len(self.seqs) == self.seqs[0].params.n and all(s.is_finished for s in self.seqs)
 
 
+@dataclass(slots=True)
+class Pending:
+    """A request waiting for what is prepared off the step thread: (future, how to attach its result)."""
+    group: RequestGroup
+    req: Request
+    waits: list[tuple[concurrent.futures.Future, Callable[[Request, Any], None]]]
+
+
+def _attach_matcher(req: Request, template: Any) -> None:
+    req.matcher = template.deep_copy()
+
+
+def _attach_lora(req: Request, adapter: LoRAAdapter) -> None:
+    """The request runs under adapter; its KV is cached under the adapter's identity, never shared."""
+    req.lora = adapter
+    req.cache_salt = adapter.cache_key if req.cache_salt is None else f"{req.cache_salt}|{adapter.cache_key}"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -109,9 +132,12 @@ class LLMEngine:
         self.weights_info.update(kv_cache_dtype=self.kv_format.name, kv_cache_blocks=num_blocks,
                                  kv_cache_tokens=num_blocks * config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_protect_after, config.priority_preemption_delay)
+                                   config.preemption_protect_after, config.priority_preemption_delay,
+                                   config.max_loras)
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
-        self.compiling: list[tuple[concurrent.futures.Future, RequestGroup, Request]] = []  # wait for a grammar
+        self.loras = (LoRAManager(loaded.config, self.dtype, config.max_lora_rank, config.max_cpu_loras)
+                      if config.enable_lora else None)
+        self.pending: list[Pending] = []  # requests waiting for their grammar or adapter, prepared off this thread
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, tuple[RequestGroup, int]] = {}
         self.rng = random.Random(config.seed)
@@ -138,26 +164,34 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None and self.loras is None:
+            raise ValueError("this engine does not serve LoRA adapters (enable_lora / --enable-lora)")
         text, ids = (None, list(prompt)) if isinstance(prompt, list) else (prompt, self.tokenizer.encode(prompt))
         params = self._validated(ids, params)
-        grammar = self.grammars.submit(params.guided_decoding) if params.guided_decoding else None
-        if grammar is not None and grammar.done():
-            grammar.result()  # an invalid spec that failed at once raises here, before the request exists
+        waits = []
+        if params.guided_decoding is not None:
+            waits.append((self.grammars.submit(params.guided_decoding), _attach_matcher))
+        if lora_request is not None:
+            waits.append((self.loras.submit(lora_request), _attach_lora))
+        for future, _ in waits:
+            if future.done():
+                future.result()  # what failed at once (an invalid spec) raises here, before the request exists
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         group = RequestGroup(request_id, text, ids)
         self.groups[request_id] = group
         req = Request(request_id, ids, params, time.monotonic(), seed, priority, cache_salt=cache_salt,
                       eos_token_ids=self.eos_token_ids, pending_children=params.n - 1)
         self.prompt_tokens_total += len(ids)
-        if grammar is None or grammar.done():
-            req.matcher = grammar.result().deep_copy() if grammar else None
+        if all(future.done() for future, _ in waits):
+            for future, attach in waits:
+                attach(req, future.result())
             self._add_seq(group, req)
-        else:  # compiling off this thread: the request joins the scheduler once its grammar is ready
+        else:  # prepared off this thread: the request joins the scheduler once all is ready
             self._register_seq(group, req)
-            self.compiling.append((grammar, group, req))
+            self.pending.append(Pending(group, req, waits))
 
     def _validated(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         if not ids:
@@ -199,7 +233,7 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return
-        self.compiling = [c for c in self.compiling if c[1] is not group]
+        self.pending = [p for p in self.pending if p.group is not group]
         for seq in group.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -207,24 +241,26 @@ class LLMEngine:
             self.seqs.pop(seq.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.compiling)
+        return self.scheduler.has_unfinished() or bool(self.pending)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Schedules requests whose grammar is ready; fails those whose spec did not compile. With nothing
-        else to run, waits briefly for a grammar rather than spinning."""
-        if self.compiling and not self.scheduler.has_unfinished():
-            concurrent.futures.wait([c[0] for c in self.compiling], timeout=0.05,
+    def _admit_pending(self) -> list[RequestOutput]:
+        """Schedules requests whose grammar and adapter are ready; fails those whose spec did not compile or
+        whose adapter did not load. With nothing else to run, waits briefly rather than spinning."""
+        if not self.scheduler.has_unfinished():
+            concurrent.futures.wait([f for p in self.pending for f, _ in p.waits], timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         failed, still = [], []
-        for future, group, req in self.compiling:
-            if not future.done():
-                still.append((future, group, req))
-            elif future.exception() is not None:
-                failed.append(self._fail(group, str(future.exception())))
+        for p in self.pending:
+            error = next((f.exception() for f, _ in p.waits if f.done() and f.exception() is not None), None)
+            if error is not None:
+                failed.append(self._fail(p.group, str(error)))
+            elif not all(f.done() for f, _ in p.waits):
+                still.append(p)
             else:
-                req.matcher = future.result().deep_copy()
-                self.scheduler.add(req)
-        self.compiling = still
+                for future, attach in p.waits:
+                    attach(p.req, future.result())
+                self.scheduler.add(p.req)
+        self.pending = still
         return failed
 
     def _fail(self, group: RequestGroup, error: str) -> RequestOutput:
@@ -244,7 +280,7 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        failed = self._admit_compiled() if self.compiling else []
+        failed = self._admit_pending() if self.pending else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return failed
@@ -291,7 +327,7 @@ class LLMEngine:
                 child = Request(f"{req.request_id}#{index}", req.prompt_token_ids, req.params, req.arrival_time,
                                 hash((req.seed, index)) & (2**63 - 1), req.priority, parent_id=req.request_id,
                                 index=index, cache_salt=req.cache_salt, eos_token_ids=req.eos_token_ids,
-                                matcher=req.matcher.deep_copy() if req.matcher is not None else None)
+                                matcher=req.matcher.deep_copy() if req.matcher is not None else None, lora=req.lora)
                 forked = self.kv.fork(req, child.request_id)
                 if forked is None:  # no block for the copy-on-write tail: recompute (mostly prefix-cache hits)
                     self._add_seq(group, child)

@@ -1,6 +1,7 @@
 """Owns the model and the KV pool; turns a scheduled batch into tensors and runs one forward pass."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ from pagedserve.engine.request import Request
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan
 from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache, resolve_kv_format
 from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.lora import LoRAAdapter, LoRABatch
 from pagedserve.model.model_config import ModelConfig
 
 
@@ -20,6 +22,7 @@ class BatchInputs:
     sample_rows: list[int]  # row of the last computed token of each request that samples this step
     sample_reqs: list[Request]
     prompt_rows: list[tuple[Request, int, int]]  # (request, first row, rows) whose next prompt token is scored
+    lora: LoRABatch | None = None  # rows per adapter; None when no request of the step has one
 
 
 class ModelRunner:
@@ -65,10 +68,13 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows, sample_reqs, spans, prompt_rows = [], [], [], []
+        lora_rows: dict[int, tuple[LoRAAdapter, list[range]]] = {}
         for req, n in decodes + prefills:
             start, table = len(ids), block_tables[req.request_id]
             first = req.num_computed_tokens
             ids += req.all_token_ids[first:first + n]
+            if req.lora is not None:
+                lora_rows.setdefault(id(req.lora), (req.lora, []))[1].append(range(start, start + n))
             pos = range(first, first + n)
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
@@ -87,7 +93,7 @@ class ModelRunner:
             meta.prefill_spans = torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans], dtype=torch.long)
             meta.prefill_tables = torch.nn.utils.rnn.pad_sequence([p.block_table for p in spans], batch_first=True)
         return BatchInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                           sample_rows, sample_reqs, prompt_rows)
+                           sample_rows, sample_reqs, prompt_rows, lora_batch(lora_rows.values()))
 
     @staticmethod
     def _decode_tables(decodes: list[tuple[Request, int]],
@@ -102,7 +108,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
         """Runs the forward pass; returns the hidden states of every row."""
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.block_size)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.block_size, batch.lora)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -113,3 +119,14 @@ class ModelRunner:
         for layer in self.kv_caches:
             for src, dst in copies:
                 layer.copy_block(src, dst, self.block_size)
+
+
+def lora_batch(groups) -> LoRABatch | None:
+    """Each adapter's rows: a slice when they are one run of tokens, else their indices."""
+    out = []
+    for adapter, ranges in groups:
+        if all(a.stop == b.start for a, b in itertools.pairwise(ranges)):
+            out.append((adapter, slice(ranges[0].start, ranges[-1].stop)))
+        else:
+            out.append((adapter, torch.tensor([i for r in ranges for i in r], dtype=torch.long)))
+    return LoRABatch(out) if out else None

@@ -40,6 +40,7 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # grows as prompt chunks are computed
     pending_children: int = 0  # n - 1 samples still to fork from this one when its prompt is done
     matcher: Any = None  # llguidance.LLMatcher of a constrained request (its own copy), else None
+    lora: Any = None  # the LoRAAdapter it runs under, else None (the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -33,12 +33,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 protect_after: int = 3, priority_preemption_delay: float = 0.5) -> None:
+                 protect_after: int = 3, priority_preemption_delay: float = 0.5, max_loras: int = 4) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.protect_after = protect_after
         self.priority_preemption_delay = priority_preemption_delay
+        self.max_loras = max_loras
         self.waiting: list[tuple[int, float, int, Request]] = []  # heap: (priority, arrival, tiebreak, req)
         self.running: list[Request] = []
         self.preemptions: dict[str, int] = {"kv_pressure": 0, "priority": 0}
@@ -126,14 +127,23 @@ class Scheduler:
         out.preempted.append((req, reason))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        adapters = {id(r.lora) for r in self.running if r.lora is not None}
+        deferred = []  # waiting for an adapter slot (max_loras): passed over, not blocking those behind
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0][3]
+            if req.lora is not None and id(req.lora) not in adapters and len(adapters) >= self.max_loras:
+                deferred.append(heapq.heappop(self.waiting))
+                continue
+            if deferred and time.monotonic() - deferred[0][3].arrival_time > self.priority_preemption_delay:
+                break  # a deferred adapter has waited long enough: let the running ones drain instead of starving it
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, num_new, cached):
                 break
             heapq.heappop(self.waiting)
+            if req.lora is not None:
+                adapters.add(id(req.lora))
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
                 self.kv.record_prefix_query(req.num_prompt_tokens, num_cached)
@@ -142,6 +152,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+        for entry in deferred:
+            heapq.heappush(self.waiting, entry)
 
     def preempt(self, req: Request, reason: str = "kv_pressure") -> None:
         """Recompute later: drop the KV (its full blocks stay in the prefix cache) and requeue."""

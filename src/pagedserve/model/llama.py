@@ -13,6 +13,7 @@ from pagedserve.model.attention import AttentionMetadata, paged_attention
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.kv_cache_dtype import LayerKVCache
 from pagedserve.model.linear import Linear, can_pack, pack_linears
+from pagedserve.model.lora import LoRABatch
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import QuantizedWeight, quantize
 from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
@@ -26,6 +27,7 @@ class StepContext:
     cos: torch.Tensor  # [T, d/2] at each token's position: fp32 for the kernels, else the model dtype
     sin: torch.Tensor
     kernels: Any | None  # the fused bf16 C++ ops; None: plain PyTorch ops (the fp32 reference path)
+    lora: LoRABatch | None = None  # the step's adapters and their rows; None: the base model only
 
 
 class RMSNorm(nn.Module):
@@ -82,8 +84,9 @@ def scale_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Ten
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -94,6 +97,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor, kv: LayerKVCache, ctx: StepContext) -> torch.Tensor:
         """Returns residual + attention(x)."""
         qkv = self.qkv_proj(x)
+        if ctx.lora is not None:
+            ctx.lora.add(qkv, x, self.layer_index, "qkv_proj")
         if ctx.kernels is not None:  # rotates q and k inside qkv and writes k, v to the cache in one pass
             ctx.kernels.rope_and_cache(qkv, ctx.cos, ctx.sin, kv.k, kv.v, kv.k_scale, kv.v_scale,
                                        ctx.meta.slot_mapping, self.num_heads, self.num_kv_heads)
@@ -104,36 +109,47 @@ class Attention(nn.Module):
         if ctx.kernels is None:
             q, k = rotate(q, ctx.cos, ctx.sin), rotate(k, ctx.cos, ctx.sin)
             kv.write(k, v, ctx.meta.slot_mapping)
-        o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels)
-        return self.o_proj(o.flatten(1), residual)
+        o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels).flatten(1)
+        out = self.o_proj(o, residual)
+        if ctx.lora is not None:
+            ctx.lora.add(out, o, self.layer_index, "o_proj")
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, kernels: Any | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Returns residual + mlp(x)."""
         gate_up = self.gate_up_proj(x)
-        if kernels is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up), residual)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, residual)
+        if ctx.lora is not None:
+            ctx.lora.add(gate_up, x, self.layer_index, "gate_up_proj")
+        if ctx.kernels is not None:
+            h = ctx.kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        out = self.down_proj(h, residual)
+        if ctx.lora is not None:
+            ctx.lora.add(out, h, self.layer_index, "down_proj")
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer_index)
 
     def forward(self, x: torch.Tensor, kv: LayerKVCache, ctx: StepContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x, ctx.kernels), x, kv, ctx)
-        return self.mlp(self.post_attention_layernorm(x, ctx.kernels), x, ctx.kernels)
+        return self.mlp(self.post_attention_layernorm(x, ctx.kernels), x, ctx)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, freq_factors)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -158,11 +174,11 @@ class LlamaForCausalLM(nn.Module):
             self.kernels = cpu_kernels()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
-                meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+                meta: AttentionMetadata, block_size: int, lora: LoRABatch | None = None) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; logits are computed only where a token is sampled."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.tables(positions, torch.float32 if self.kernels is not None else x.dtype)
-        ctx = StepContext(meta, block_size, cos, sin, self.kernels)
+        ctx = StepContext(meta, block_size, cos, sin, self.kernels, lora)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, kv, ctx)
         return self.norm(x, self.kernels)

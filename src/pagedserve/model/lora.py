@@ -1,0 +1,170 @@
+"""LoRA adapters in PEFT format, applied beside the base model's projections and batched over the adapters
+of a step (grouped matmuls: one shrink and one expand per adapter and projection, never per request).
+
+At load an adapter is regrouped onto our fused projections: for qkv_proj (q, k, v) and gate_up_proj (gate,
+up) the parts' A matrices stack along the rank and B places each part's rows in its slice of the fused
+output (zero elsewhere), so x @ A^T @ B^T is the whole fused delta. The scaling (lora_alpha / r, or
+lora_alpha / sqrt(r) with rsLoRA; per-module alpha_pattern honoured) is folded into B.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from pagedserve.model.model_config import ModelConfig
+
+# PEFT module name -> (our fused module, which part of its output)
+TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass(slots=True)
+class LoRAWeights:
+    """One fused projection of one layer."""
+    a: torch.Tensor  # [rank, in]: the parts' A matrices stacked
+    b: torch.Tensor  # [out, rank]: scaled, each part's rows in its output slice
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    name: str
+    int_id: int
+    path: str
+    rank: int  # the largest rank of any of its modules
+    layers: list[dict[str, LoRAWeights]]  # per layer: fused module name -> weights
+    generation: int = 0  # load counter of the manager: a reload under the same name is a new identity
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(w.a.nbytes + w.b.nbytes for layer in self.layers for w in layer.values())
+
+    @property
+    def cache_key(self) -> str:
+        """What the prefix cache keys blocks by: KV computed under this load of this adapter."""
+        return f"lora:{self.name}:{self.int_id}:{self.generation}"
+
+
+def part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of every PEFT target module."""
+    h, i = config.hidden_size, config.intermediate_size
+    return {"q_proj": (config.q_size, h), "k_proj": (config.kv_size, h), "v_proj": (config.kv_size, h),
+            "o_proj": (h, config.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def load_adapter(path: str | Path, config: ModelConfig, name: str, int_id: int, max_rank: int,
+                 dtype: torch.dtype) -> LoRAAdapter:
+    """Reads a PEFT adapter folder; ValueError with the reason when it cannot serve this base model."""
+    folder = Path(path)
+    try:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"adapter '{name}': cannot read {folder / 'adapter_config.json'}: {exc}") from None
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora"):
+        raise ValueError(f"adapter '{name}': only plain LoRA adapters are supported (got {cfg.get('peft_type')}"
+                         f"{', DoRA' if cfg.get('use_dora') else ''})")
+    try:
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"adapter '{name}': cannot read adapter_model.safetensors: {exc}") from None
+    parts = _collect(tensors, name, config.num_hidden_layers)
+    shapes = part_shapes(config)
+    layers: list[dict[str, LoRAWeights]] = [{} for _ in range(config.num_hidden_layers)]
+    ranks = [0]
+    for layer, modules in enumerate(parts):
+        fused: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for module, (a, b) in modules.items():
+            r = _check(name, layer, module, a, b, shapes[module], max_rank)
+            ranks.append(r)
+            scale = _alpha(cfg, f"model.layers.{layer}.{module}", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+            fused_name, part = TARGETS[module]
+            fused.setdefault(fused_name, []).append((part, a, b * scale))
+        for fused_name, pieces in fused.items():
+            layers[layer][fused_name] = _fuse(pieces, fused_name, shapes, dtype)
+    return LoRAAdapter(name, int_id, str(folder), max(ranks), layers)
+
+
+def _collect(tensors: dict[str, torch.Tensor], name: str, num_layers: int) -> list[dict]:
+    """Per layer: PEFT module -> (A, B)."""
+    found: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(num_layers)]
+    for key, t in tensors.items():
+        m = KEY.search(key)
+        if m is None:
+            raise ValueError(f"adapter '{name}': unsupported tensor {key!r} (only lora_A / lora_B of "
+                             f"{', '.join(TARGETS)} are)")
+        layer, module, which = int(m.group(1)), m.group(3), m.group(4)
+        if module not in TARGETS or layer >= num_layers:
+            raise ValueError(f"adapter '{name}': {key!r} targets a module this base model does not have")
+        found[layer].setdefault(module, {})[which] = t.float()
+    out = []
+    for layer, modules in enumerate(found):
+        for module, ab in modules.items():
+            if set(ab) != {"A", "B"}:
+                raise ValueError(f"adapter '{name}': layer {layer} {module} lacks its lora_{({'A', 'B'} - set(ab)).pop()}")
+        out.append({module: (ab["A"], ab["B"]) for module, ab in modules.items()})
+    return out
+
+
+def _check(name: str, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int],
+           max_rank: int) -> int:
+    out_features, in_features = shape
+    r = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, r):
+        raise ValueError(f"adapter '{name}' was made for another base model: layer {layer} {module} has A "
+                         f"{tuple(a.shape)} and B {tuple(b.shape)}, expected ({r}, {in_features}) and "
+                         f"({out_features}, {r})")
+    if r > max_rank:
+        raise ValueError(f"adapter '{name}' has rank {r} (layer {layer} {module}), over --max-lora-rank {max_rank}")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise ValueError(f"adapter '{name}': layer {layer} {module} holds non-finite weights")
+    return r
+
+
+def _alpha(cfg: dict, module_path: str, r: int) -> float:
+    """lora_alpha, or the alpha_pattern entry whose key names this module (PEFT matches key suffixes)."""
+    for key, alpha in (cfg.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?{key}", module_path):
+            return float(alpha)
+    return float(cfg.get("lora_alpha", r))
+
+
+def _fuse(pieces: list[tuple[int, torch.Tensor, torch.Tensor]], fused_name: str, shapes: dict[str, tuple[int, int]],
+          dtype: torch.dtype) -> LoRAWeights:
+    """Stacks the parts' A along the rank; places each part's B in its output slice."""
+    names = [n for n, (f, _) in TARGETS.items() if f == fused_name]
+    offsets = [0]
+    for n in names:
+        offsets.append(offsets[-1] + shapes[n][0])
+    rank = sum(a.shape[0] for _, a, _ in pieces)
+    b = torch.zeros(offsets[-1], rank)
+    col = 0
+    for part, a, scaled_b in sorted(pieces, key=lambda p: p[0]):
+        b[offsets[part]:offsets[part + 1], col:col + a.shape[0]] = scaled_b
+        col += a.shape[0]
+    a = torch.cat([a for _, a, _ in sorted(pieces, key=lambda p: p[0])])
+    return LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous())
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """The adapters of one step and the rows (tokens) each serves; rows without an adapter are left out."""
+    groups: list[tuple[LoRAAdapter, torch.Tensor | slice]]
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
+        """y += the adapters' deltas of module for their rows of x (one shrink and one expand per adapter)."""
+        for adapter, rows in self.groups:
+            w = adapter.layers[layer].get(module)
+            if w is None:
+                continue
+            delta = (x[rows] @ w.a.T) @ w.b.T
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
