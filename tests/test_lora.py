@@ -2,7 +2,6 @@
 targets and scalings made here with peft, served together with the base model in one batch."""
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -13,37 +12,15 @@ from safetensors.torch import save_file
 from pagedserve import LLM, LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
+from tests.lora_support import ADAPTERS, lora, make_adapters
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name: (rank, lora_alpha, target modules, rsLoRA, alpha_pattern)
-ADAPTERS = {
-    "attn8": (8, 16, ["q_proj", "v_proj"], False, {}),
-    "all16": (16, 8, ALL, True, {}),
-    "mlp4": (4, 32, ["gate_proj", "up_proj", "down_proj"], False, {"down_proj": 8}),
-}
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, hf_model) -> dict[str, tuple[Path, object]]:
-    """name -> (PEFT folder, the peft model that serves as its reference), random weights with fixed seeds."""
-    from peft import LoraConfig, get_peft_model
-
-    made = {}
-    for i, (name, (rank, alpha, targets, rslora, pattern)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(1000 + i)
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                            alpha_pattern=pattern, lora_dropout=0.0, init_lora_weights=False)
-        model = get_peft_model(copy.deepcopy(hf_model), config).eval()
-        with torch.no_grad():  # nn.Linear's init makes deltas that swamp the model: shrink B to a fine-tune's size
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.mul_(0.25)
-        folder = tmp_path_factory.mktemp(name)
-        model.save_pretrained(folder)
-        made[name] = (folder, model)
-    return made
+    return make_adapters(hf_model, tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +34,6 @@ def expected(adapters, hf_model, prompts) -> dict[str | None, list[list[int]]]:
     for name, (_, model) in adapters.items():
         out[name] = [hf_greedy(model, p, NUM_TOKENS) for p in prompts]
     return out
-
-
-def lora(adapters, name: str, int_id: int | None = None, as_name: str | None = None) -> LoRARequest:
-    ids = {n: i + 1 for i, n in enumerate(ADAPTERS)}
-    return LoRARequest(as_name or name, int_id or ids[name], str(adapters[name][0]))
 
 
 def run(llm: LLM, prompts, loras) -> list[list[int]]:

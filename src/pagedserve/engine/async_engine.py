@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -115,12 +116,13 @@ class AsyncLLM:
     # ---- caller side (event loop) ----
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, lora_request: LoRARequest | None = None) -> RequestStream:
         """Adds a request; bad input raises here (ValueError), before any output. Close the stream when done."""
         stream = RequestStream(self, request_id, asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt, params, priority))
+            await self.call(lambda: self.engine.add_request(request_id, prompt, params, priority,
+                                                            lora_request=lora_request))
         except BaseException:
             self.abort(request_id)  # a cancelled caller may have queued the add already
             raise

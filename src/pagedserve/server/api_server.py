@@ -12,6 +12,7 @@ import uvicorn
 from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.server.admission import AdmissionConfig, AdmissionController, parse_degrade, parse_shed_after
+from pagedserve.server.lora_routes import parse_lora_modules, register_startup_adapters
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.openai_api import create_app
 from pagedserve.server.serving import ServerState
@@ -34,8 +35,13 @@ def build_state(args: argparse.Namespace) -> ServerState:
         parser = choose_parser(args.tool_call_parser, engine.tokenizer.chat_template)
     except ValueError as exc:
         raise SystemExit(f"--tool-call-parser: {exc}") from None
-    return ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder,
-                       admission=admission, tool_parser=parser)
+    state = ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder,
+                        admission=admission, tool_parser=parser)
+    try:
+        register_startup_adapters(state, parse_lora_modules(args.lora_modules or []))
+    except ValueError as exc:
+        raise SystemExit(f"--lora-modules: {exc}") from None
+    return state
 
 
 def admission_config(args: argparse.Namespace, engine: AsyncLLM) -> AdmissionConfig:

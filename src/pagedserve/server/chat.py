@@ -52,7 +52,7 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  ctx: RequestContext) -> ChatCompletionResponse | EventStream:
-    state.check_generation_model(req.model)
+    lora = state.check_generation_model(req.model)
     plan = tool_plan(req, state.tool_parser)
     guided, param = guided_spec(req)
     if plan is not None and plan.constraint() is not None:
@@ -66,14 +66,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(state, req, req.max_completion_tokens or req.max_tokens, top, guided)
     request_id = random_id("chatcmpl")
-    call = await start_streams(state, ctx, request_id, [prompt], params, "messages")
+    call = await start_streams(state, ctx, request_id, [prompt], params, "messages", lora)
     parse = plan if plan is not None and plan.parses else None
     if req.stream:
         stream = await primed(merged(state, call))
         return EventStream(_stream(state, req, request_id, stream, ctx.degraded, parse), call, ctx.headers)
     outputs = await final_outputs(state, call)
     choices = [_choice(state, c, top, parse) for c in outputs[0].outputs]
-    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(outputs),
+    return ChatCompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=usage(outputs),
                                   degraded=ctx.degraded)
 
 
@@ -98,7 +98,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
     top = (req.top_logprobs or 0) if req.logprobs else None
 
     def chunk(choice: ChatChunkChoice) -> str:
-        body = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice], degraded=degraded)
+        body = ChatCompletionChunk(id=request_id, model=state.response_model(req.model), choices=[choice], degraded=degraded)
         return sse(body.model_dump_json(exclude_none=True))
 
     sent_text: dict[int, int] = {}
@@ -135,7 +135,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                                                 finish_reason=_finish_reason(c.finish_reason, called, plan),
                                                 stop_reason=c.stop_reason))
         if include_usage and last is not None:
-            body = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[], usage=usage([last]))
+            body = ChatCompletionChunk(id=request_id, model=state.response_model(req.model), choices=[], usage=usage([last]))
             yield sse(body.model_dump_json())
     except APIError as exc:
         yield sse(exc.body().model_dump_json())

@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="how the model writes tool calls: hermes (<tool_call> tags; ChatML models such as SmolLM2, "
                         "Qwen2.5), llama3_json (Llama 3.1+); auto picks llama3_json for a Llama 3 chat template")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve from the start, as name=path or JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; requests pick one with '
+                        "model: NAME (needs --enable-lora)")
     p.add_argument("--disable-access-log", action="store_true", help="don't log one line per HTTP request")
     add_admission_args(p)
     add_engine_args(p)

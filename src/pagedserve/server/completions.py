@@ -37,7 +37,7 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
 
 async def create_completion(state: ServerState, req: CompletionRequest,
                             ctx: RequestContext) -> CompletionResponse | EventStream:
-    state.check_generation_model(req.model)
+    lora = state.check_generation_model(req.model)
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
     prompts = prompt_list(req.prompt)
@@ -46,7 +46,7 @@ async def create_completion(state: ServerState, req: CompletionRequest,
         await compile_spec(state.engine, guided, param)
     params = sampling_params(state, req, req.max_tokens, req.logprobs, guided)
     request_id = random_id("cmpl")
-    call = await start_streams(state, ctx, request_id, prompts, params)
+    call = await start_streams(state, ctx, request_id, prompts, params, lora=lora)
     if req.stream:
         stream = await primed(merged(state, call))
         return EventStream(_stream(state, req, request_id, prompts, stream, ctx.degraded), call, ctx.headers)
@@ -60,7 +60,7 @@ async def create_completion(state: ServerState, req: CompletionRequest,
         )
         for i, out in enumerate(outputs) for c in out.outputs
     ]
-    return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(outputs),
+    return CompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=usage(outputs),
                               degraded=ctx.degraded)
 
 
@@ -86,7 +86,7 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, p
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                 if c.finish_reason:
                     finished.add(index)
-                chunk = CompletionResponse(id=request_id, model=state.model_name, degraded=degraded,
+                chunk = CompletionResponse(id=request_id, model=state.response_model(req.model), degraded=degraded,
                                            choices=[CompletionChoice(
                     index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     logprobs=_logprobs(state, c, start_tok, req.logprobs) if req.logprobs is not None else None,
@@ -94,7 +94,7 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, p
                 yield sse(chunk.model_dump_json(exclude_none=True))
         if req.stream_options and req.stream_options.include_usage:
             outputs = [last[i] for i in sorted(last)]
-            chunk = CompletionResponse(id=request_id, model=state.model_name, choices=[], usage=usage(outputs))
+            chunk = CompletionResponse(id=request_id, model=state.response_model(req.model), choices=[], usage=usage(outputs))
             yield sse(chunk.model_dump_json())
     except APIError as exc:
         yield sse(exc.body().model_dump_json())

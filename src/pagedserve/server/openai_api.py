@@ -15,6 +15,7 @@ from pagedserve.server.chat import create_chat_completion, render_prompt
 from pagedserve.server.completions import create_completion
 from pagedserve.server.embeddings import create_embeddings
 from pagedserve.server.errors import APIError, install_error_handlers
+from pagedserve.server.lora_routes import lora_routes
 from pagedserve.server.middleware import RequestGuard
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
@@ -42,7 +43,7 @@ ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or server-sent events "
                                                                           "when stream is true"}}
 KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/tokenize",
-               "/detokenize", "/health", "/metrics"}
+               "/detokenize", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 
 
 def create_app(state: ServerState, api_key: str | None = None,
@@ -61,7 +62,9 @@ def create_app(state: ServerState, api_key: str | None = None,
     state.metrics.watch_engine(lambda: state.engine.stats)
     state.metrics.describe_weights(state.engine.engine.weights_info)
     state.metrics.watch_admission(state.admission)
-    app.include_router(_api_routes(state, [] if api_key is None else [Depends(_auth_dependency(api_key))]))
+    auth = [] if api_key is None else [Depends(_auth_dependency(api_key))]
+    app.include_router(_api_routes(state, auth))
+    app.include_router(lora_routes(state), dependencies=auth, responses=ROUTE_ERRORS)
     app.include_router(_open_routes(state))
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes,
                        on_response=lambda path, status: state.metrics.record_request(
@@ -162,6 +165,8 @@ def _model_cards(state: ServerState) -> list[ModelCard]:
     info = state.engine.engine.weights_info
     cards = [ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len, dtype=info["dtype"],
                        quantization=info["quantization"], kv_cache_dtype=info["kv_cache_dtype"])]
+    cards += [ModelCard(id=name, root=lora.lora_path, parent=state.model_name, max_model_len=state.engine.max_model_len)
+              for name, lora in state.loras.items()]
     if state.embedder is not None:
         cards.append(ModelCard(id=state.embedder.model_name, max_model_len=state.embedder.max_seq_length))
     return cards

@@ -386,6 +386,8 @@ class ModelCard(BaseModel):
     dtype: str | None = None  # the LLM's compute dtype
     quantization: str | None = None  # the LLM's weights: none | gguf | int8 | int4
     kv_cache_dtype: str | None = None  # the LLM's KV cache storage: bfloat16 | float32 | fp8_e4m3 | fp8_e5m2 | int8
+    root: str | None = None  # a LoRA adapter: where it was loaded from
+    parent: str | None = None  # a LoRA adapter: the base model it runs on
 
 
 class ModelList(BaseModel):

@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams
 from pagedserve.server.admission import AdmissionConfig, AdmissionController, Rejected, Ticket, parse_priority
@@ -34,10 +35,18 @@ class ServerState:
     embedder: Any = None  # pagedserve.embedding.Embedder, or None when embeddings are off
     admission: AdmissionController = field(default_factory=lambda: AdmissionController(AdmissionConfig()))
     tool_parser: ToolParser = field(default_factory=HermesParser)  # how this model family writes tool calls
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters served, by the name clients use
 
-    def check_generation_model(self, requested: str | None) -> None:
+    def response_model(self, requested: str | None) -> str:
+        """The `model` a response names: the adapter asked for, else the base model."""
+        return requested if requested in self.loras else self.model_name
+
+    def check_generation_model(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for an unknown model."""
         if requested is None or requested == self.model_name:
-            return
+            return None
+        if requested in self.loras:
+            return self.loras[requested]
         if self.embedder is not None and requested == self.embedder.model_name:
             raise APIError(400, f"model '{requested}' is an embedding model; use /v1/embeddings", "model")
         raise APIError(404, f"The model '{requested}' does not exist.", "model", "model_not_found")
@@ -106,7 +115,7 @@ class Call:
 
 
 async def start_streams(state: ServerState, ctx: RequestContext, request_id: str, prompts: list[str | list[int]],
-                        params: SamplingParams, param: str = "prompt") -> Call:
+                        params: SamplingParams, param: str = "prompt", lora: LoRARequest | None = None) -> Call:
     """Admits the call, then adds one engine request per prompt (all before the same step); any bad
     prompt fails the whole call with a 400 and withdraws the others."""
     if not state.engine.is_running:
@@ -119,7 +128,7 @@ async def start_streams(state: ServerState, ctx: RequestContext, request_id: str
     priority = ctx.priority if state.admission.config.enabled else 0
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
-        added = await asyncio.gather(*(state.engine.add_request(rid, p, params, priority)
+        added = await asyncio.gather(*(state.engine.add_request(rid, p, params, priority, lora)
                                        for rid, p in zip(ids, prompt_ids)), return_exceptions=True)
     except BaseException:  # cancelled (client gone): the engine side withdraws itself
         state.admission.finished(ticket)
