@@ -19,7 +19,8 @@ def test_bench_all_quick(tmp_path: Path) -> None:
     assert f"bench all: {len(BENCHMARKS)} passed, 0 failed" in out.stdout
     doc = (tmp_path / "benchmarks.md").read_text()
     for heading in ("## Offline throughput (engine)", "## Online serving", "## Overload control", "## Routing policies",
-                    "## Gateway", "## Perplexity", "## Quantized weights (speed)"):
+                    "## Gateway", "## Perplexity", "## Quantized weights (speed)", "## Structured outputs",
+                    "## Multi-LoRA"):
         assert heading in doc
 
 

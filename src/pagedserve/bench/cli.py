@@ -20,6 +20,7 @@ BENCHMARKS = {
     "perplexity": "quality: perplexity and top-1 agreement of each numeric mode against fp32",
     "quantization": "quantized weights: single stream vs llama.cpp, W1 per mode, roofline",
     "structured": "structured outputs: decode cost of grammars, llguidance vs xgrammar on our vocabulary",
+    "lora": "multi-LoRA: 1-128 adapters batched vs the base model and vs one adapter at a time",
 }
 
 

@@ -21,6 +21,7 @@ from pagedserve.gateway.gateway_config import BreakerConfig, GatewayConfig, Retr
 log = logging.getLogger(__name__)
 
 RETRYABLE = {408, 429, 500, 502, 503, 504, 529}
+MIN_ATTEMPT_S = 0.05  # with less time than this left before the request's deadline, no attempt is started
 
 
 @dataclass(slots=True)
@@ -189,7 +190,7 @@ class ProviderPool:
                     attempts.append(Attempt(target.provider, target.model, "circuit_open", started_at=time.time()))
                     break
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= MIN_ATTEMPT_S:  # asyncio's timers may fire a hair early: no sliver attempts
                     break
                 timeout = min(self.config.providers[target.provider].timeout_s, remaining)
                 try:
