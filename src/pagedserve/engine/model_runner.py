@@ -64,6 +64,9 @@ class ModelRunner:
         bs = self.block_size
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n != 1]
+        if any(r.lora is not None for r, _ in scheduled):  # each adapter's rows in one run: slices, not gathers
+            decodes.sort(key=_adapter_order)
+            prefills.sort(key=_adapter_order)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -121,12 +124,18 @@ class ModelRunner:
                 layer.copy_block(src, dst, self.block_size)
 
 
+def _adapter_order(item: tuple[Request, int]) -> int:
+    return item[0].lora.generation if item[0].lora is not None else 0
+
+
 def lora_batch(groups) -> LoRABatch | None:
-    """Each adapter's rows: a slice when they are one run of tokens, else their indices."""
+    """Each adapter's rows as slices: one per run of adjacent tokens (the runner orders requests by adapter,
+    so an adapter has a run among the decodes and one among the prefills at most)."""
     out = []
     for adapter, ranges in groups:
-        if all(a.stop == b.start for a, b in itertools.pairwise(ranges)):
-            out.append((adapter, slice(ranges[0].start, ranges[-1].stop)))
-        else:
-            out.append((adapter, torch.tensor([i for r in ranges for i in r], dtype=torch.long)))
+        start = ranges[0].start
+        for a, b in itertools.pairwise([*ranges, None]):
+            if b is None or a.stop != b.start:
+                out.append((adapter, slice(start, a.stop)))
+                start = b.start if b is not None else start
     return LoRABatch(out) if out else None

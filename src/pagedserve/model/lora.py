@@ -155,16 +155,11 @@ def _fuse(pieces: list[tuple[int, torch.Tensor, torch.Tensor]], fused_name: str,
 @dataclass(slots=True)
 class LoRABatch:
     """The adapters of one step and the rows (tokens) each serves; rows without an adapter are left out."""
-    groups: list[tuple[LoRAAdapter, torch.Tensor | slice]]
+    groups: list[tuple[LoRAAdapter, slice]]  # an adapter may have several runs of rows
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
-        """y += the adapters' deltas of module for their rows of x (one shrink and one expand per adapter)."""
+        """y += the adapters' deltas of module for their rows of x (one shrink and one expand per run)."""
         for adapter, rows in self.groups:
             w = adapter.layers[layer].get(module)
-            if w is None:
-                continue
-            delta = (x[rows] @ w.a.T) @ w.b.T
-            if isinstance(rows, slice):
-                y[rows] += delta
-            else:
-                y.index_add_(0, rows, delta)
+            if w is not None:
+                y[rows] += (x[rows] @ w.a.T) @ w.b.T
