@@ -169,6 +169,29 @@ def test_streamed_named_tool_call_matches_the_unstreamed_one(client):
     assert calls[0]["id"].startswith("call_")
 
 
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+
+class Shipment(BaseModel):
+    item: str = Field(max_length=20)
+    ship_to: Address
+    bill_to: Address
+
+
+def test_pydantic_tool_with_shared_definitions(client):
+    """openai.pydantic_function_tool puts nested models in `$defs`: the forced call still follows them."""
+    tool = openai.pydantic_function_tool(Shipment)
+    r = client.chat.completions.create(model=MODEL, tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                       max_tokens=120, temperature=0,
+                                       messages=[{"role": "user", "content": "Ship a lamp from Oslo to Lima."}])
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "Shipment"
+    Shipment.model_validate_json(call.function.arguments)
+
+
 def test_parallel_required_calls_all_parse(client):
     r = client.chat.completions.create(
         model=MODEL, tools=TOOLS, tool_choice="required", max_tokens=150, temperature=0.8, seed=5, n=2,

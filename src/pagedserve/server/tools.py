@@ -42,15 +42,35 @@ class ToolPlan:
         if self.choice in ("none", "auto"):
             return None
         chosen = [t for t in self.tools if not self.named or t.function.name == self.choice]
-        key = self.parser.args_key
-        one_of = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                   "properties": {"name": {"const": t.function.name},
-                                  key: t.function.parameters or {"type": "object"}}} for t in chosen]
-        call_json = json.dumps({"x-guidance": COMPACT_JSON, "anyOf": one_of})
+        key, defs, one_of = self.parser.args_key, {}, []
+        for i, t in enumerate(chosen):
+            parameters = _hoist_defs(t.function.parameters or {"type": "object"}, f"tool{i}_", defs)
+            one_of.append({"type": "object", "additionalProperties": False, "required": ["name", key],
+                           "properties": {"name": {"const": t.function.name}, key: parameters}})
+        call_json = json.dumps({"x-guidance": COMPACT_JSON, "anyOf": one_of, **({"$defs": defs} if defs else {})})
         return GuidedDecodingParams(grammar=self.parser.grammar(call_json, self.parallel and not self.named))
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return self.parser.parse(text, self.names, self.parallel)
+
+
+def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
+    """A parameters schema nested under the call grammar's root: its `$defs` (or `definitions`) move to the
+    root under prefixed names, and its `#/$defs/...` references follow, so pydantic-made schemas still resolve."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    renamed = {f"#/{kind}/{name}": f"#/$defs/{prefix}{name}" for kind in ("$defs", "definitions") for name in own}
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            return {k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v))
+                    for k, v in node.items() if k not in ("$defs", "definitions") or node is not schema}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for name, sub in own.items():
+        defs[f"{prefix}{name}"] = rewrite(sub)
+    return rewrite(schema)
 
 
 def tool_plan(req: ChatCompletionRequest, parser: ToolParser) -> ToolPlan | None:
