@@ -32,11 +32,14 @@ class GuidedDecodingParams:
         if self.json is not None:
             try:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-                return "json", json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output order
+                text = json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output order
             except json.JSONDecodeError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
             except (RecursionError, TypeError, ValueError) as exc:
                 raise ValueError(f"the JSON schema cannot be read: {type(exc).__name__}: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("the JSON schema must be an object")
+            return "json", text
         if self.json_object:
             return "json_object", ""
         if self.choice is not None:

@@ -38,16 +38,14 @@ class LoRAManager:
             self.adapters.move_to_end(request.lora_name)
             return adapter
 
-    def submit(self, request: LoRARequest, pin: bool = False) -> concurrent.futures.Future:
+    def submit(self, request: LoRARequest) -> concurrent.futures.Future:
         """Loads off the calling thread (a loaded adapter comes back as a finished future)."""
         adapter = self.get(request)
         if adapter is not None:
-            if pin:
-                self.pinned.add(request.lora_name)
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(adapter)
             return done
-        return self._pool.submit(self.load, request, pin)
+        return self._pool.submit(self.load, request)
 
     def load(self, request: LoRARequest, pin: bool = False) -> LoRAAdapter:
         """Reads and prepares the adapter; ValueError when it cannot serve this model."""

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.server.errors import APIError
@@ -32,18 +31,8 @@ def _spec(req: SamplingFields, param: str) -> GuidedDecodingParams:
     if param == "response_format":
         schema = req.response_format.json_schema.schema_ if req.response_format.json_schema else None
         return GuidedDecodingParams(json=schema) if schema is not None else GuidedDecodingParams(json_object=True)
-    if param == "guided_json":
-        schema = req.guided_json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"guided_json is not valid JSON: {exc}") from None
-            except RecursionError:
-                raise ValueError("guided_json is nested too deeply") from None
-        if not isinstance(schema, dict):
-            raise ValueError("guided_json must be a JSON schema object")
-        return GuidedDecodingParams(json=schema)
+    if param == "guided_json":  # an object or its JSON text: GuidedDecodingParams reads and checks both
+        return GuidedDecodingParams(json=req.guided_json)
     if param == "guided_regex":
         return GuidedDecodingParams(regex=req.guided_regex)
     if param == "guided_choice":
