@@ -101,8 +101,10 @@ WEIGHTS = {
 
 @pytest.mark.parametrize("path", [p for p in KERNEL_PATHS if p != "torch"])
 @pytest.mark.parametrize("fmt", list(WEIGHTS))
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 7, 256), (7, 33, 512), (64, 300, 768), (300, 5, 256)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 7, 256), (7, 33, 512), (64, 300, 768), (300, 5, 256), (3, 9, 288)])
 def test_integer_kernels_match_their_arithmetic(path, fmt, m, n, k):
+    if (k % 128 and fmt == "int4-g128") or (k % 256 and fmt in K_QUANT_SCALES):
+        pytest.skip("K is not a multiple of the format's block")
     torch.manual_seed(m * n + k)
     w = WEIGHTS[fmt](n, k)
     x = torch.randn(m, k)
@@ -140,6 +142,19 @@ def test_bf16_activations_on_the_integer_path(path):
     y = quant_matmul(x, w, path, dequant_min_rows=1 << 30)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), integer_reference(x.float(), w), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [2, 70])  # the integer kernel adds it as it stores; the dequantized path after
+def test_residual_is_added(path, dtype, m):
+    w = WEIGHTS["Q4_1"](40, 288)
+    x, residual = torch.randn(m, 288).to(dtype), torch.randn(m, 40).to(dtype)
+    y = quant_matmul(x, w, path, residual=residual)
+    assert y.dtype == dtype
+    expected = quant_matmul(x, w, path).float() + residual.float()
+    torch.testing.assert_close(y.float(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=0.05 if dtype == torch.bfloat16 else 1e-4)
 
 
 def test_kernel_path_can_be_forced_and_refuses_what_is_missing(monkeypatch):

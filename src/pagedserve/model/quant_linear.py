@@ -1,7 +1,8 @@
 """Linear and embedding layers over quantized weights (model/quant.py), on the kernel path this CPU has.
 
 Paths, forced with PAGEDSERVE_QUANT_KERNEL for tests and measurements:
-- `avx2`: our C++ integer-dot kernel (AVX2 maddubs), activations quantized per 32 to int8.
+- `avx512`: our C++ integer-dot kernel on AVX-512 VNNI (vpdpwssd), weights widened in registers.
+- `avx2`: the same arithmetic on AVX2 (madd_epi16), weights widened once per row into an L1 buffer.
 - `scalar`: the same arithmetic in portable C++ (any CPU the extension builds on).
 - `torch`: dequantize in PyTorch, then F.linear (no C++ compiler).
 Rows of a call beyond DEQUANT_MIN_ROWS (prefill, large batches) are compute-bound: there the weights are
@@ -19,7 +20,7 @@ from torch import nn
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.quant import QuantizedWeight
 
-PATHS = {"scalar": 0, "avx2": 1}
+PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}
 # Measured on 3072x576 and 576x1536 (one thread, AVX2): the integer kernel is ~2x faster than dequantize +
 # GEMM at 1-4 rows and ~1.5x slower from 16; a float GEMM does more multiply-adds per instruction.
 DEQUANT_MIN_ROWS = 8
@@ -39,15 +40,17 @@ def kernel_path() -> str:
     return wanted
 
 
-def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_rows: int | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T in x's dtype."""
+def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_rows: int | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ residual) in x's dtype."""
     if path == "torch":
-        return F.linear(x, w.dequantize().to(x.dtype))
-    kernels = cpu_kernels()
-    x = x.contiguous()
-    if x.shape[0] >= (DEQUANT_MIN_ROWS if dequant_min_rows is None else dequant_min_rows):
-        return F.linear(x, kernels.quant_dequantize(w.qweight, w.scales, w.mins, w.bits, w.group, x.dtype))
-    return kernels.quant_linear(x, w.qweight, w.scales, w.mins, w.bits, w.group, PATHS[path])
+        y = F.linear(x, w.dequantize().to(x.dtype))
+    elif x.shape[0] >= (DEQUANT_MIN_ROWS if dequant_min_rows is None else dequant_min_rows):
+        y = F.linear(x, cpu_kernels().quant_dequantize(w.qweight, w.scales, w.mins, w.bits, w.group, x.dtype))
+    else:  # the integer kernel adds the residual as it stores
+        return cpu_kernels().quant_linear(x.contiguous(), w.qweight, w.scales, w.mins, w.bits, w.group, PATHS[path],
+                                          None if residual is None else residual.contiguous())
+    return y if residual is None else residual + y
 
 
 class QuantLinear(nn.Module):
@@ -61,10 +64,10 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = quant_matmul(x, self.qweight, kernel_path())
-        if self.bias is not None:
-            y = y + self.bias
-        return y if residual is None else residual + y
+        if self.bias is not None:  # the bias goes before the residual
+            y = quant_matmul(x, self.qweight, kernel_path()) + self.bias
+            return y if residual is None else residual + y
+        return quant_matmul(x, self.qweight, kernel_path(), residual=residual)
 
     def extra_repr(self) -> str:
         w = self.qweight

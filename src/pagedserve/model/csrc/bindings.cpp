@@ -12,7 +12,8 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
 
 std::vector<int64_t> quant_paths();
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                           c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, int64_t path);
+                           c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, int64_t path,
+                           c10::optional<torch::Tensor> residual);
 torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                                int64_t bits, int64_t group, c10::ScalarType dtype);
 
@@ -29,8 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "causal bf16 attention of all prefill spans over the paged KV pool");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] bf16 projection");
-  m.def("quant_paths", &quant_paths, "quantized-matmul paths built for this CPU (0 scalar, 1 AVX2)");
-  m.def("quant_linear", &quant_linear, "x @ W^T over planar int8/int4 weights, activations quantized per 32");
+  m.def("quant_paths", &quant_paths, "quantized-matmul paths built for this CPU (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
+  m.def("quant_linear", &quant_linear, "x @ W^T (+ residual) over planar int8/int4 weights, activations quantized per 32",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),
+        py::arg("path"), py::arg("residual") = py::none());
   m.def("quant_dequantize", &quant_dequantize, "planar int8/int4 weights as a float matrix");
   m.def("apply_token_bitmask", &apply_token_bitmask, "mask fp32 logits rows in place by packed grammar bitmasks");
   m.def("rope_and_cache", &rope_and_cache, "rotate q and k in place and write k, v into the paged caches");

@@ -26,8 +26,9 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // activation quantization block; group sizes are multiples of it
+constexpr int64_t kPrefetchRows = 4;
 
-enum Path : int64_t { kScalar = 0, kAvx2 = 1 };
+enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 inline float bf16_bits_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -181,14 +182,135 @@ inline void rows_avx2_g16(const int16_t* wrow, const float* srow, const Quantize
 }
 #endif
 
-// sum over groups of min * (sum of the activations in the group): the asymmetric part of a 4-bit product.
-inline float min_term(const float* mrow, const float* xsum, int64_t groups, int64_t per_group) {
-  float total = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    float s = 0.f;
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) s += xsum[b];
-    total += mrow[g] * s;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The AVX-512 VNNI path widens weights in registers (no row buffer) and multiplies two 32-blocks per step with
+// vpdpwssd (int16 pairs into int32). Its activations are stored pair-interleaved: for blocks 2p and 2p + 1,
+// [2p: k 0-15][2p+1: k 0-15] then [2p: k 16-31][2p+1: k 16-31], the order in which one 32-byte load of two 4-bit
+// blocks unpacks (low nibbles, then high nibbles). The int32 sums then hold block 2p in lanes 0-7 and block
+// 2p + 1 in lanes 8-15, so one float multiply-add scales both. An odd last block stays in k order.
+void interleave_pairs(const int16_t* src, int16_t* dst, int64_t blocks) {
+  for (int64_t p = 0; p + 1 < blocks; p += 2) {
+    const int16_t* a = src + p * kBlock;
+    const int16_t* b = a + kBlock;
+    int16_t* d = dst + p * kBlock;
+    std::memcpy(d, a, 32);
+    std::memcpy(d + 16, b, 32);
+    std::memcpy(d + 32, a + 16, 32);
+    std::memcpy(d + 48, b + 16, 32);
   }
+  if (blocks % 2) std::memcpy(dst + (blocks - 1) * kBlock, src + (blocks - 1) * kBlock, kBlock * 2);
+}
+
+struct Pair16 {
+  __m512i a, b;  // the pair's k 0-15 halves and k 16-31 halves, as int16
+};
+
+inline Pair16 load_pair(const uint8_t* w, int64_t bits) {
+  if (bits == 4) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    const __m512i nibble = _mm512_set1_epi16(0x0F);
+    return {_mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+  }
+  const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlock)));
+  return {_mm512_shuffle_i64x2(w0, w1, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_i64x2(w0, w1, _MM_SHUFFLE(3, 2, 3, 2))};
+}
+
+inline __m512i load_single(const uint8_t* w, int64_t bits) {  // one block in k order
+  if (bits == 4) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(high, low));
+  }
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+
+// [s0 x 8, s1 x 8] from the first two floats of v.
+inline __m512 spread2(__m128 v) {
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(v));
+}
+
+// Weight scales of blocks b and b + 1 per half block: [b lo, b hi, b+1 lo, b+1 hi]. G is the group size when
+// it is 16 or 32, else 0: then group_of maps a block to its group.
+template <int G>
+inline __m128 pair_scales(const float* srow, int64_t b, const int32_t* group_of) {
+  if constexpr (G == 16) return _mm_loadu_ps(srow + 2 * b);
+  if constexpr (G == 32) {
+    const __m128 v = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(srow + b)));
+    return _mm_unpacklo_ps(v, v);
+  }
+  const float s0 = srow[group_of[b]], s1 = srow[group_of[b + 1]];
+  return _mm_setr_ps(s0, s0, s1, s1);
+}
+
+template <int G>
+inline __m128 single_scales(const float* srow, int64_t b, const int32_t* group_of) {  // [lo, hi, -, -]
+  if constexpr (G == 16) return _mm_setr_ps(srow[2 * b], srow[2 * b + 1], 0.f, 0.f);
+  return _mm_set1_ps(G == 32 ? srow[b] : srow[group_of[b]]);
+}
+
+// One weight row against MR activation rows (pair-interleaved, see interleave_pairs).
+template <int MR, int G>
+inline void rows_avx512(const uint8_t* wrow, int64_t bits, const float* srow, const int32_t* group_of,
+                        const int16_t* xq, const float* sx, int64_t r0, int64_t k, float* out) {
+  const int64_t blocks = k / kBlock, block_bytes = bits == 4 ? kBlock / 2 : kBlock;
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i lanes_lo = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i lanes_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    const Pair16 w = load_pair(wrow + b * block_bytes, bits);
+    const __m128 s4 = pair_scales<G>(srow, b, group_of);
+    for (int i = 0; i < MR; ++i) {
+      const int16_t* x = xq + (r0 + i) * k + b * kBlock;
+      const __m512i xa = _mm512_loadu_si512(x), xb = _mm512_loadu_si512(x + 32);
+      const __m128 sxp = _mm_castpd_ps(_mm_load1_pd(reinterpret_cast<const double*>(sx + (r0 + i) * blocks + b)));
+      const __m128 scale = _mm_mul_ps(s4, _mm_shuffle_ps(sxp, sxp, _MM_SHUFFLE(1, 1, 0, 0)));
+      const __m512 sa = _mm512_permutexvar_ps(lanes_lo, _mm512_castps128_ps512(scale));
+      if constexpr (G == 16) {  // each half block has its own scale
+        const __m512 sb = _mm512_permutexvar_ps(lanes_hi, _mm512_castps128_ps512(scale));
+        const __m512i da = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w.a, xa);
+        const __m512i db = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w.b, xb);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), sa, acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), sb, acc[i]);
+      } else {
+        const __m512i d = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w.a, xa), w.b, xb);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sa, acc[i]);
+      }
+    }
+  }
+  if (b < blocks) {
+    const __m512i w = load_single(wrow + b * block_bytes, bits);
+    const __m512 sw = spread2(single_scales<G>(srow, b, group_of));
+    for (int i = 0; i < MR; ++i) {
+      const __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w,
+                                            _mm512_loadu_si512(xq + (r0 + i) * k + b * kBlock));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sw, _mm512_set1_ps(sx[(r0 + i) * blocks + b])),
+                               acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+template <int G>
+inline void tile_avx512(int64_t mr, const uint8_t* wrow, int64_t bits, const float* srow, const int32_t* group_of,
+                        const int16_t* xq, const float* sx, int64_t r0, int64_t k, float* out) {
+  switch (mr) {
+    case 4: rows_avx512<4, G>(wrow, bits, srow, group_of, xq, sx, r0, k, out); break;
+    case 3: rows_avx512<3, G>(wrow, bits, srow, group_of, xq, sx, r0, k, out); break;
+    case 2: rows_avx512<2, G>(wrow, bits, srow, group_of, xq, sx, r0, k, out); break;
+    default: rows_avx512<1, G>(wrow, bits, srow, group_of, xq, sx, r0, k, out);
+  }
+}
+#endif
+
+// sum over groups of min * (sum of the activations in the group): the asymmetric part of a 4-bit product.
+// A plain dot product over the groups, which the compiler vectorizes (-ffast-math allows the reassociation).
+inline float min_term(const float* mrow, const float* xgroup, int64_t groups) {
+  float total = 0.f;
+  for (int64_t g = 0; g < groups; ++g) total += mrow[g] * xgroup[g];
   return total;
 }
 
@@ -211,16 +333,20 @@ void check_weights(const torch::Tensor& qweight, const torch::Tensor& scales, co
 }  // namespace
 
 std::vector<int64_t> quant_paths() {
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return {kScalar, kAvx2, kAvx512};
+#elif defined(__AVX2__)
   return {kScalar, kAvx2};
 #else
   return {kScalar};
 #endif
 }
 
-// y[M, N] = x[M, K] @ W^T, x fp32 or bf16 (y in x's dtype). path: 0 scalar, 1 AVX2.
+// y[M, N] = x[M, K] @ W^T (+ residual), x fp32 or bf16 (y and residual in x's dtype). path: 0 scalar, 1 AVX2,
+// 2 AVX-512 VNNI. The residual is added as each output is stored: one pass and one op fewer per layer.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                           c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, int64_t path) {
+                           c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, int64_t path,
+                           c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
@@ -234,14 +360,35 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   const uint8_t* wq = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const float* ws = scales.data_ptr<float>();
   const float* wm = mins ? mins->data_ptr<float>() : nullptr;
-  auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat));
-  float* y = out.data_ptr<float>();
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  if (residual) {
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == x.scalar_type() &&
+                residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n,
+                "residual must be a contiguous [M, N] in x's dtype");
+  }
+  auto out = torch::empty({m, n}, x.options());
+  float* yf = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  const float* rf = residual && !bf16 ? residual->data_ptr<float>() : nullptr;
+  const uint16_t* rb = residual && bf16 ? reinterpret_cast<const uint16_t*>(residual->data_ptr()) : nullptr;
   // Rows per task: enough weight bytes that waking a thread pays for itself.
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, row_bytes));
   const int64_t groups = k / group;
+  std::vector<float> xgroup(wm ? m * groups : 0);  // activation sums per weight group, for the min term
+  for (int64_t r = 0; wm && r < m; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) xgroup[r * groups + b / per_group] += xq.sum[r * blocks + b];
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  std::vector<int16_t> paired(path == kAvx512 ? m * k : 0);
+  std::vector<int32_t> group_of(path == kAvx512 ? blocks : 0);
+  if (path == kAvx512) {
+    for (int64_t r = 0; r < m; ++r) interleave_pairs(xq.q.data() + r * k, paired.data() + r * k, blocks);
+    for (int64_t b = 0; b < blocks; ++b) group_of[b] = static_cast<int32_t>(b / per_group);
+  }
+#endif
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float part[4];
-    std::vector<int16_t> widened(path == kScalar ? 0 : k);
+    std::vector<int16_t> widened(path == kAvx2 ? k : 0);
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* wrow = wq + row * row_bytes;
       const float* srow = ws + row * groups;
@@ -251,6 +398,17 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 #endif
       for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int64_t mr = std::min<int64_t>(4, m - r0);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (path == kAvx512) {
+          if (r0 == 0 && row + kPrefetchRows < end) {  // a row's bytes, a few rows ahead
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wrow + kPrefetchRows * row_bytes + o), _MM_HINT_T0);
+          }
+          const float* sx = xq.scale.data();
+          if (group == 16) tile_avx512<16>(mr, wrow, bits, srow, nullptr, paired.data(), sx, r0, k, part);
+          else if (group == 32) tile_avx512<32>(mr, wrow, bits, srow, nullptr, paired.data(), sx, r0, k, part);
+          else tile_avx512<0>(mr, wrow, bits, srow, group_of.data(), paired.data(), sx, r0, k, part);
+        }
+#endif
 #if defined(__AVX2__)
         if (path == kAvx2) {
           const int16_t* wr = widened.data();
@@ -294,13 +452,18 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
           }
         }
         for (int64_t i = 0; i < mr; ++i) {
-          const float shift = mrow ? min_term(mrow, xq.sum.data() + (r0 + i) * blocks, groups, per_group) : 0.f;
-          y[(r0 + i) * n + row] = part[i] + shift;
+          const float shift = mrow ? min_term(mrow, xgroup.data() + (r0 + i) * groups, groups) : 0.f;
+          const int64_t at = (r0 + i) * n + row;
+          if (bf16) {
+            yb[at] = float_to_bf16_bits(part[i] + shift + (rb ? bf16_bits_to_float(rb[at]) : 0.f));
+          } else {
+            yf[at] = part[i] + shift + (rf ? rf[at] : 0.f);
+          }
         }
       }
     }
   });
-  return x.scalar_type() == torch::kFloat ? out : out.to(torch::kBFloat16);
+  return out;
 }
 
 // The weights as a float matrix [N, K] in dtype (fp32 or bf16): the large-M path and the reference.
