@@ -157,6 +157,35 @@ def test_residual_is_added(path, dtype, m):
                                atol=0.05 if dtype == torch.bfloat16 else 1e-4)
 
 
+GEMM_PATHS = ["dequant"] + (["amx"] if cpu_kernels() is not None and cpu_kernels().quant_amx_available() else [])
+
+
+@pytest.fixture(params=GEMM_PATHS)
+def gemm(request, monkeypatch):
+    """The large-M path forced for one test."""
+    from pagedserve.model import quant_linear
+
+    monkeypatch.setenv("PAGEDSERVE_QUANT_GEMM", request.param)
+    quant_linear.gemm_path.cache_clear()
+    yield request.param
+    quant_linear.gemm_path.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", list(WEIGHTS))
+@pytest.mark.parametrize(("m", "n", "k"), [(8, 7, 256), (33, 45, 512), (300, 70, 768), (64, 33, 288)])
+def test_large_m_paths_are_the_bf16_product(gemm, fmt, m, n, k):
+    """bf16 activations from DEQUANT_MIN_ROWS rows: N and M off the tiles' multiples, every format."""
+    if (k % 128 and fmt == "int4-g128") or (k % 256 and fmt in K_QUANT_SCALES):
+        pytest.skip("K is not a multiple of the format's block")
+    torch.manual_seed(m + n + k)
+    w = WEIGHTS[fmt](n, k)
+    x, residual = torch.randn(m, k).bfloat16(), torch.randn(m, n).bfloat16()
+    y = quant_matmul(x, w, KERNEL_PATHS[-1], dequant_min_rows=8, residual=residual)  # "torch": no C++ here
+    ref = x.float() @ w.dequantize().bfloat16().float().T + residual.float()  # weights rounded to bf16, as both do
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert (y.float() - ref).norm() / ref.norm() < 4e-3  # the bf16 rounding of the output
+
+
 def test_kernel_path_can_be_forced_and_refuses_what_is_missing(monkeypatch):
     from pagedserve.model import quant_linear
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` (CPU) from the llama.cpp sources vendored in the llama-cpp-python
-# sdist on PyPI, so the serving benchmark can run the same GGUF against it. Idempotent: an existing
-# binary is kept. Usage: benchmarks/peers/build_llama_server.sh [OUT_DIR]  (default: build/peers)
+# Builds llama.cpp's `llama-server` and `llama-bench` (CPU) from the llama.cpp sources vendored in the
+# llama-cpp-python sdist on PyPI, so the serving and quantization benchmarks can run the same GGUF against
+# it. Idempotent: existing binaries are kept. Usage: benchmarks/peers/build_llama_server.sh [OUT_DIR]  (default: build/peers)
 # Prints the path of the binary on its last line.
 set -euo pipefail
 
@@ -11,12 +11,17 @@ PY="${PY:-$ROOT/.venv/bin/python}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"  # empty: the newest sdist
 BIN="$OUT/llama.cpp/build/bin/llama-server"
 
-if [[ -x "$BIN" ]]; then
+if [[ -x "$BIN" && -x "$(dirname "$BIN")/llama-bench" ]]; then
   echo "$BIN"
   exit 0
 fi
 mkdir -p "$OUT"
 cd "$OUT"
+if [[ -d llama.cpp/build ]]; then  # sources already here: build what is missing
+  cmake --build llama.cpp/build --target llama-server llama-bench -j "${JOBS:-2}"
+  echo "$BIN"
+  exit 0
+fi
 if ! ls llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
   "$PY" -m pip download --no-deps --no-binary :all: --dest . "llama-cpp-python${VERSION:+==$VERSION}"
 fi
@@ -29,5 +34,5 @@ rm -rf sdist
 cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
   -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >/dev/null
-cmake --build llama.cpp/build --target llama-server -j "${JOBS:-2}"
+cmake --build llama.cpp/build --target llama-server llama-bench -j "${JOBS:-2}"
 echo "$BIN"

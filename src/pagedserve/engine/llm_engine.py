@@ -27,7 +27,7 @@ from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
 from pagedserve.model.lora import LoRAAdapter
 from pagedserve.model.quant import QUANTIZATIONS
-from pagedserve.model.quant_linear import kernel_path, quantized_bytes
+from pagedserve.model.quant_linear import gemm_path, kernel_path, quantized_bytes
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -117,7 +117,7 @@ class LLMEngine:
         model.to(self.dtype).eval()
         self.weight_bytes = quantized_bytes(model)
         self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": config.quantization,
-                             "quant_kernel": kernel_path() if config.quantization != "none" else "none",
+                             "quant_kernel": f"{kernel_path()}+{gemm_path()}" if config.quantization != "none" else "none",
                              "weight_bytes": self.weight_bytes}
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
         num_blocks = parse_size(config.kv_cache_memory) // ModelRunner.bytes_per_block(

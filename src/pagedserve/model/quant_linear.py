@@ -5,8 +5,10 @@ Paths, forced with PAGEDSERVE_QUANT_KERNEL for tests and measurements:
 - `avx2`: the same arithmetic on AVX2 (madd_epi16), weights widened once per row into an L1 buffer.
 - `scalar`: the same arithmetic in portable C++ (any CPU the extension builds on).
 - `torch`: dequantize in PyTorch, then F.linear (no C++ compiler).
-Rows of a call beyond DEQUANT_MIN_ROWS (prefill, large batches) are compute-bound: there the weights are
-dequantized into the activation dtype by the C++ kernel and multiplied by oneDNN/MKL.
+Calls of DEQUANT_MIN_ROWS rows or more (prefill, large batches) are compute-bound. There, with bf16
+activations on a CPU with AMX, our tile kernel dequantizes 32 weight rows at a time into an L2-resident bf16
+panel and multiplies it on the tiles (`amx`); elsewhere the weights are dequantized whole into the activation
+dtype and multiplied by oneDNN/MKL (`dequant`). PAGEDSERVE_QUANT_GEMM forces one of the two.
 """
 from __future__ import annotations
 
@@ -40,12 +42,28 @@ def kernel_path() -> str:
     return wanted
 
 
+@cache
+def gemm_path() -> str:
+    """The large-M path: `amx` where this CPU and process can run it, else `dequant`; PAGEDSERVE_QUANT_GEMM forces."""
+    kernels = cpu_kernels()
+    available = ["dequant"] + (["amx"] if kernels is not None and kernels.quant_amx_available() else [])
+    wanted = os.environ.get("PAGEDSERVE_QUANT_GEMM", "auto")
+    if wanted == "auto":
+        return available[-1]
+    if wanted not in available:
+        raise RuntimeError(f"PAGEDSERVE_QUANT_GEMM={wanted} is not available on this CPU (have: {available})")
+    return wanted
+
+
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_rows: int | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ residual) in x's dtype."""
     if path == "torch":
         y = F.linear(x, w.dequantize().to(x.dtype))
     elif x.shape[0] >= (DEQUANT_MIN_ROWS if dequant_min_rows is None else dequant_min_rows):
+        if x.dtype == torch.bfloat16 and gemm_path() == "amx":
+            return cpu_kernels().quant_linear_amx(x, w.qweight, w.scales, w.mins, w.bits, w.group,
+                                                  None if residual is None else residual.contiguous())
         y = F.linear(x, cpu_kernels().quant_dequantize(w.qweight, w.scales, w.mins, w.bits, w.group, x.dtype))
     else:  # the integer kernel adds the residual as it stores
         return cpu_kernels().quant_linear(x.contiguous(), w.qweight, w.scales, w.mins, w.bits, w.group, PATHS[path],

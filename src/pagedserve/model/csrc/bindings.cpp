@@ -16,6 +16,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
                            c10::optional<torch::Tensor> residual);
 torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                                int64_t bits, int64_t group, c10::ScalarType dtype);
+bool quant_amx_available();
+torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group,
+                               c10::optional<torch::Tensor> residual);
 
 bool prefill_attention_available();
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -34,6 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W^T (+ residual) over planar int8/int4 weights, activations quantized per 32",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),
         py::arg("path"), py::arg("residual") = py::none());
+  m.def("quant_amx_available", &quant_amx_available, "whether this build and process can run AMX tiles");
+  m.def("quant_linear_amx", &quant_linear_amx, "bf16 x @ W^T (+ residual) over planar weights on AMX tiles",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),
+        py::arg("residual") = py::none());
   m.def("quant_dequantize", &quant_dequantize, "planar int8/int4 weights as a float matrix");
   m.def("apply_token_bitmask", &apply_token_bitmask, "mask fp32 logits rows in place by packed grammar bitmasks");
   m.def("rope_and_cache", &rope_and_cache, "rotate q and k in place and write k, v into the paged caches");

@@ -1,0 +1,262 @@
+// Large-M matmuls over quantized weights (quant_gemm.cpp's planar layout) on AMX bf16 tiles.
+//
+// A batch or a prefill is compute-bound, where the integer kernel loses to a float GEMM, but dequantizing the
+// whole matrix to bf16 first (then oneDNN) writes and re-reads twice the bytes of the bf16 model. Here each
+// thread takes 32 weight rows at a time, dequantizes them into a small bf16 panel (in L2) and multiplies it
+// with TDPBF16PS against every 32 activation rows: the quantized bytes are read once per call, and nothing of
+// the size of the weights is written. The weights are the tiles' A operand (rows of k, as they dequantize) and
+// the activations the B operand (k pairs interleaved, prepared once per call), so C holds y transposed.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDSERVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#ifdef PAGEDSERVE_AMX
+constexpr int64_t kBlock = 32;     // k per tile step and per quantization block
+constexpr int64_t kPanelRows = 32;  // weight rows per panel: two A tiles of 16 rows
+constexpr int64_t kTileBytes = 1024;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX tile state only on request, per process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Tiles 0-3: C (16 x 16 fp32) for rows 0-15 / 16-31 by columns 0-15 / 16-31; 4-5: A (16 rows x 32 bf16);
+// 6-7: B (16 k pairs x 16 columns): every tile is 16 rows of 64 bytes.
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One 32-block of a weight row as 32 bf16 in k order. 4 bits: the 16 possible values of the block, computed
+// in fp32 and rounded once, are a table that vpermw indexes with the nibbles.
+inline __m512i dequantize_block(const uint8_t* w, int64_t bits, float scale_lo, float scale_hi, float min) {
+  if (bits == 4) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
+    const __m512 levels = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_ps(scale_lo), _mm512_set1_ps(min));
+    const __m256i table = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(levels));
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), _mm512_castsi256_si512(table));
+  }
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_set1_ps(scale_hi)),
+                                                       _mm512_mul_ps(lo, _mm512_set1_ps(scale_lo))));
+}
+
+// 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i].
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c], 128-bit lane L: column 4L + c of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x_even = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i x_odd = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i y_even = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i y_odd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    r[c] = _mm512_shuffle_i32x4(x_even, y_even, _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + c] = _mm512_shuffle_i32x4(x_even, y_even, _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + c] = _mm512_shuffle_i32x4(x_odd, y_odd, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_i32x4(x_odd, y_odd, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// x [m_pad, K] bf16 as B tiles: for each k-block and 16 rows, 16 k pairs x 16 rows (VNNI order).
+void pack_activations(const uint16_t* x, int64_t m, int64_t m_pad, int64_t k, uint16_t* out) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t m0 = 0; m0 < m_pad; m0 += 16) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        r[i] = m0 + i < m ? _mm512_loadu_si512(x + (m0 + i) * k + b * kBlock) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      uint16_t* tile = out + ((m0 / 16) * blocks + b) * (kTileBytes / 2);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(tile + j * 32, r[j]);
+    }
+  }
+}
+
+struct Weights {
+  const uint8_t* q;
+  const float* scales;
+  const float* mins;
+  int64_t n, k, bits, group, row_bytes;
+};
+
+// Rows n0..n0+31 (zeros past N) dequantized into panel [32, K] bf16.
+void build_panel(const Weights& w, int64_t n0, uint16_t* panel) {
+  const int64_t blocks = w.k / kBlock, groups = w.k / w.group, block_bytes = w.bits == 4 ? kBlock / 2 : kBlock;
+  for (int64_t i = 0; i < kPanelRows; ++i) {
+    const int64_t row = n0 + i;
+    uint16_t* out = panel + i * w.k;
+    if (row >= w.n) {
+      std::memset(out, 0, w.k * 2);
+      continue;
+    }
+    const uint8_t* q = w.q + row * w.row_bytes;
+    const float* s = w.scales + row * groups;
+    if (w.group == 16) {  // 8 bits, a scale per half block
+      for (int64_t b = 0; b < blocks; ++b) {
+        _mm512_storeu_si512(out + b * kBlock, dequantize_block(q + b * block_bytes, w.bits, s[2 * b], s[2 * b + 1], 0.f));
+      }
+      continue;
+    }
+    const float* mn = w.mins ? w.mins + row * groups : nullptr;
+    const int64_t per_group = w.group / kBlock;
+    for (int64_t g = 0, b = 0; g < groups; ++g) {  // groups outer: no division per block
+      const float scale = s[g], min = mn ? mn[g] : 0.f;
+      for (const int64_t e = b + per_group; b < e; ++b) {
+        _mm512_storeu_si512(out + b * kBlock, dequantize_block(q + b * block_bytes, w.bits, scale, scale, min));
+      }
+    }
+  }
+}
+
+// c[weight row][activation row] (32 x 32) into y rows (+ residual), bf16: transposed in registers 16 x 16
+// at a time, 32 outputs of a row converted and stored at once.
+void store_block(const float (*c)[32], int64_t rows, int64_t cols, uint16_t* y, const uint16_t* residual,
+                 int64_t ld) {
+  const __mmask32 keep = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  for (int64_t mh = 0; mh < 2 && mh * 16 < rows; ++mh) {
+    __m512i lo[16], hi[16];  // weight rows 0-15 and 16-31
+    for (int i = 0; i < 16; ++i) {
+      lo[i] = _mm512_castps_si512(_mm512_load_ps(&c[i][mh * 16]));
+      hi[i] = _mm512_castps_si512(_mm512_load_ps(&c[16 + i][mh * 16]));
+    }
+    transpose16(lo);
+    transpose16(hi);
+    for (int64_t i = 0; i < 16 && mh * 16 + i < rows; ++i) {
+      const int64_t at = (mh * 16 + i) * ld;
+      __m512 a = _mm512_castsi512_ps(lo[i]), b = _mm512_castsi512_ps(hi[i]);
+      if (residual) {
+        const __m512i r = _mm512_maskz_loadu_epi16(keep, residual + at);
+        a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(r)), 16)));
+        b = _mm512_add_ps(b, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r, 1)), 16)));
+      }
+      _mm512_mask_storeu_epi16(y + at, keep, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+bool quant_amx_available() {
+#ifdef PAGEDSERVE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// y[M, N] = x[M, K] @ W^T (+ residual), x bf16. Weights as quant_linear takes them.
+torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group,
+                               c10::optional<torch::Tensor> residual) {
+#ifdef PAGEDSERVE_AMX
+  TORCH_CHECK(quant_amx_available(), "AMX is not available to this process");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be a bf16 [M, K]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  TORCH_CHECK(k % kBlock == 0 && (group % kBlock == 0 || (group == 16 && bits == 8)) && k % group == 0,
+              "K must be a multiple of 32 and the group too (or 16, with 8 bits)");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && qweight.size(1) == (bits == 4 ? k / 2 : k),
+              "qweight must be a contiguous [N, K (/2 for 4 bits)]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.size(0) == n && scales.size(1) == k / group,
+              "scales must be fp32 [N, K/group]");
+  TORCH_CHECK(!mins || (bits == 4 && mins->is_contiguous() && mins->sizes() == scales.sizes()),
+              "mins must be like scales (4 bits only)");
+  if (residual) {
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == torch::kBFloat16 && residual->dim() == 2 &&
+                residual->size(0) == m && residual->size(1) == n, "residual must be a contiguous bf16 [M, N]");
+  }
+  // Activations as B tiles, padded with zero rows to whole 32-row blocks.
+  const int64_t m_pad = (m + 31) / 32 * 32, blocks = k / kBlock;
+  const torch::Tensor xc = x.contiguous();
+  std::vector<uint16_t> packed_storage(m_pad * k + 32);
+  uint16_t* xt = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(packed_storage.data()) + 63) & ~uintptr_t(63));
+  pack_activations(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, m_pad, k, xt);
+  const uint16_t* rp = residual ? reinterpret_cast<const uint16_t*>(residual->data_ptr()) : nullptr;
+  auto out = torch::empty({m, n}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const Weights w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
+                  mins ? mins->data_ptr<float>() : nullptr, n, k, bits, group, qweight.size(1)};
+  const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<uint16_t> panel(kPanelRows * k);
+    alignas(64) float c[32][32];  // c[weight row][activation row]
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanelRows, cols = std::min<int64_t>(kPanelRows, n - n0);
+      build_panel(w, n0, panel.data());
+      for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint16_t* b0 = xt + (m0 / 16) * blocks * (kTileBytes / 2);
+        const uint16_t* b1 = b0 + blocks * (kTileBytes / 2);
+        for (int64_t b = 0; b < blocks; ++b) {
+          _tile_loadd(4, panel.data() + b * kBlock, k * 2);
+          _tile_loadd(5, panel.data() + 16 * k + b * kBlock, k * 2);
+          _tile_loadd(6, b0 + b * (kTileBytes / 2), 64);
+          _tile_loadd(7, b1 + b * (kTileBytes / 2), 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, &c[0][0], 128);
+        _tile_stored(1, &c[0][16], 128);
+        _tile_stored(2, &c[16][0], 128);
+        _tile_stored(3, &c[16][16], 128);
+        store_block(c, std::min<int64_t>(32, m - m0), cols, yp + m0 * n + n0, rp ? rp + m0 * n + n0 : nullptr, n);
+      }
+    }
+    _tile_release();
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "this build has no AMX kernels");
+#endif
+}
