@@ -98,6 +98,20 @@ def completions_served(url: str) -> float:
                if s.name == "pagedserve_requests_total" and "completions" in s.labels.get("endpoint", ""))
 
 
+def served_by(urls, send):
+    """Runs send() and returns the index of the one replica whose counter moved (a replica counts a
+    request as its response ends, so the counters are polled briefly)."""
+    before = [completions_served(u) for u in urls]
+    result = send()
+
+    def moved():
+        deltas = [completions_served(u) - b for u, b in zip(urls, before, strict=True)]
+        return deltas if sum(deltas) >= 1 else None
+    deltas = wait_for(moved, 10, "a replica to count the request")
+    assert sorted(deltas) == [0, 1], deltas
+    return deltas.index(1), result
+
+
 def replica_snapshot(url: str) -> tuple[bool, float]:
     """(busy, completion requests answered) from one scrape of a replica's /metrics."""
     text = httpx.get(url + "/metrics", timeout=5.0).text

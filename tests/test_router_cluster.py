@@ -21,6 +21,7 @@ from router_support import (
     completions_served,
     metric_sum,
     replica_snapshot,
+    served_by,
     wait_for,
 )
 
@@ -50,20 +51,6 @@ def replicas(cluster):
 def router_config(urls, policy):
     return {"policy": policy, "health_interval_s": 0.5,
             "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(urls)]}
-
-
-def served_by(urls, send):
-    """Runs send() and returns the index of the one replica whose counter moved (a replica counts a
-    request as its response ends, so the counters are polled briefly)."""
-    before = [completions_served(u) for u in urls]
-    result = send()
-
-    def moved():
-        deltas = [completions_served(u) - b for u, b in zip(urls, before, strict=True)]
-        return deltas if sum(deltas) >= 1 else None
-    deltas = wait_for(moved, 10, "a replica to count the request")
-    assert sorted(deltas) == [0, 1], deltas
-    return deltas.index(1), result
 
 
 def test_round_robin_rotates(replicas, tmp_path):

@@ -17,11 +17,6 @@ if [[ -x "$BIN" && -x "$(dirname "$BIN")/llama-bench" ]]; then
 fi
 mkdir -p "$OUT"
 cd "$OUT"
-if [[ -d llama.cpp/build ]]; then  # sources already here: build what is missing
-  cmake --build llama.cpp/build --target llama-server llama-bench -j "${JOBS:-2}"
-  echo "$BIN"
-  exit 0
-fi
 if ! ls llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
   "$PY" -m pip download --no-deps --no-binary :all: --dest . "llama-cpp-python${VERSION:+==$VERSION}"
 fi
@@ -31,8 +26,13 @@ tar -xzf "$SDIST" -C sdist
 mv sdist/*/vendor/llama.cpp llama.cpp
 rm -rf sdist
 
+# Native, without ggml's AMX kernels: they keep their tile configuration in a thread-local flag and die with
+# SIGILL (tilezero, unconfigured tiles) on the first prompt on the AMX machines we run on; its AVX-512 VNNI
+# kernels are its fastest working path there. Elsewhere the -mno-amx flags change nothing.
+NO_AMX=""
+if [[ "$(uname -m)" == "x86_64" ]]; then NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
-  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >/dev/null
+  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" >/dev/null
 cmake --build llama.cpp/build --target llama-server llama-bench -j "${JOBS:-2}"
 echo "$BIN"

@@ -96,8 +96,10 @@ def create_app(config: ClusterConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
+        """What healthy replicas serve, and the adapters the router can load on them."""
         router: Router = request.app.state.router
-        ids = sorted({m for r in router.replicas if r.healthy for m in r.models})
+        ids = sorted({m for r in router.replicas if r.healthy for m in r.models}
+                     | (set(router.config.lora_modules) if any(r.healthy for r in router.replicas) else set()))
         return JSONResponse({"object": "list", "data": [
             {"id": m, "object": "model", "created": 0, "owned_by": "pagedserve"} for m in ids]})
 

@@ -58,6 +58,11 @@ class ClusterConfig:
     request_timeout_s: float = 600.0  # whole non-streamed answer
     stream_idle_timeout_s: float = 120.0  # gap between two chunks of a stream
     max_attempts: int = 3
+    # LoRA adapters the router may load on a replica when none holds one (name -> PEFT folder, the same path on
+    # every replica, as vLLM's --lora-modules); and the in-flight requests on every holder that make it load the
+    # adapter on one more replica.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    lora_spill_inflight: int = 8
     max_body_bytes: int = 8 * 2**20  # 413 beyond, however the body is sent (a replica's own default)
     session_header: str = "x-session-id"
     residency_header: str = "x-residency"
@@ -89,6 +94,9 @@ class ClusterConfig:
         names = [s.name for s in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique: {names}")
+        if not isinstance(self.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
+            raise ValueError("lora_modules must map adapter names to paths")
         return self
 
 
@@ -114,6 +122,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds between active /health probes (default {d.health_interval_s})")
     parser.add_argument("--max-attempts", type=int, default=None,
                         help=f"replicas tried per request before giving up (default {d.max_attempts})")
+    parser.add_argument("--lora-module", action="append", default=None, metavar="NAME=PATH",
+                        help="a LoRA adapter the router loads on a replica (POST /v1/load_lora_adapter) when no "
+                             "healthy replica holds it, or when all holders are busy (repeatable; replicas need "
+                             "--enable-lora and the same path)")
 
 
 def config_from_args(args: argparse.Namespace, replicas: list[ReplicaSpec] | None = None) -> ClusterConfig:
@@ -127,4 +139,9 @@ def config_from_args(args: argparse.Namespace, replicas: list[ReplicaSpec] | Non
         value = getattr(args, name, None)
         if value is not None:
             setattr(config, name, value)
+    for item in getattr(args, "lora_module", None) or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-module {item!r}: expected NAME=PATH")
+        config.lora_modules[name] = path
     return config.finalize()

@@ -54,9 +54,8 @@ class HealthMonitor:
 
     async def probe(self, replica: Replica) -> None:
         ok, reason = await self._check(replica)
-        if ok:
-            if not replica.models:
-                await self._load_info(replica)
+        if ok:  # what it serves changes at run time (LoRA adapters loaded, unloaded): read it on every probe
+            await self._load_info(replica)
             self._probe_succeeded(replica)
         else:
             self._probe_failed(replica, reason)

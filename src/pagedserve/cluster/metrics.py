@@ -34,6 +34,9 @@ class RouterMetrics:
         self.prefix_query = Counter(PREFIX + "prefix_query", "prefix-index units looked up", registry=r)
         self.prefix_hit = Counter(PREFIX + "prefix_hit", "prefix-index units the chosen replica is expected to "
                                   "hold (estimated hit rate = hit / query)", ["replica"], registry=r)
+        self.lora_loads = Counter(PREFIX + "lora_loads", "LoRA adapters the router loaded on a replica, by "
+                                  "adapter and result (loaded, or the failure)", ["replica", "adapter", "result"],
+                                  registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_byte_seconds", "router-side time to the first streamed "
                               "chunk", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
         self.healthy = Gauge(PREFIX + "replica_healthy", "1 when the replica is in rotation", ["replica"],

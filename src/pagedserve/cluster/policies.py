@@ -26,6 +26,7 @@ class Decision:
     replica: Replica
     reason: str  # label for metrics: round_robin, least_load, prefix_match, imbalance, no_match, session
     matched: int = 0  # prefix length the index expects the replica to hold
+    load_adapter: str | None = None  # a LoRA adapter to load on the replica before forwarding
 
 
 def _rendezvous_score(session: str, replica: str) -> int:

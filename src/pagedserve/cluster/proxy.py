@@ -107,6 +107,9 @@ async def forward(router: Router, fwd: Forward) -> Response:
             return error_response(503, exc.reason + detail, code="no_replica")
         replica = decision.replica
         tried.append(replica.name)
+        if decision.load_adapter and (problem := await router.load_adapter(replica, decision.load_adapter)):
+            failures.append(f"{replica.name}: {problem}")
+            continue
         result = await _attempt(router, replica, fwd)
         if not isinstance(result, Failure):
             if result.status_code == 200:  # so the 5xx of the others were not the request's doing

@@ -2,9 +2,14 @@
 
 Order of filters: residency (hard), health, already-tried replicas (failover), model, then region
 (nearest by RTT + measured latency), and only then the policy among what is left.
+
+A request for a LoRA adapter goes to the replicas that hold it (their /v1/models lists it), prefix affinity
+within them. When none does, or every holder has `lora_spill_inflight` requests in flight, and the adapter is
+one of the router's `lora_modules`, the policy picks among the others and the router loads it there first.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -41,6 +46,7 @@ class Router:
         self.regions = RegionMap(config.rtt_ms, config.default_rtt_ms, config.region_slack_ms,
                                  config.spill_inflight)
         self.metrics = RouterMetrics()
+        self._loading: dict[tuple[str, str], asyncio.Task] = {}
         index_size = self.policy.index.size if isinstance(self.policy, PrefixAffinity) else (lambda _: 0)
         for replica in self.replicas:
             self.metrics.watch(replica, index_size)
@@ -60,12 +66,51 @@ class Router:
         candidates = [r for r in allowed if r.healthy and r.name not in exclude]
         if not candidates:
             raise NoReplicaError(self._unavailable_reason(allowed, residency, exclude))
-        serving = [r for r in candidates if not r.models or model in r.models]
-        candidates = serving or candidates  # an unknown model goes through, for the replica's own 404
-        near = self.regions.nearest(client_region or self.config.region, candidates)
-        decision = self.policy.choose(req, near)
+        spill, loading = False, set()
+        if model in self.config.lora_modules:  # a replica loading it counts as a holder: a burst loads it once
+            loading = {name for name, adapter in self._loading if adapter == model}
+            holders = [r for r in candidates if model in r.models or r.name in loading]
+            others = [r for r in candidates if r not in holders]
+            spill = bool(others) and all(r.inflight_requests >= self.config.lora_spill_inflight for r in holders)
+            candidates = others if spill else holders or candidates
+        else:
+            serving = [r for r in candidates if not r.models or model in r.models]
+            candidates = serving or candidates  # an unknown model goes through, for the replica's own 404
+        decision = self.policy.choose(req, self.regions.nearest(client_region or self.config.region, candidates))
+        if spill or decision.replica.name in loading:  # load it there first (or wait for the load under way)
+            decision.load_adapter = model
+            decision.reason = "lora_load" if spill else decision.reason
         self._record(req, decision)
         return decision
+
+    async def load_adapter(self, replica: Replica, name: str) -> str | None:
+        """Loads a lora_modules adapter on replica (concurrent requests share one load): None once it is
+        there, else what went wrong."""
+        key = (replica.name, name)
+        task = self._loading.get(key)
+        if task is None:
+            task = self._loading[key] = asyncio.create_task(self._load(replica, name))
+            task.add_done_callback(lambda _: self._loading.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _load(self, replica: Replica, name: str) -> str | None:
+        body = {"lora_name": name, "lora_path": self.config.lora_modules[name]}
+        try:
+            response = await self.health.client.post(replica.url + "/v1/load_lora_adapter", json=body,
+                                                      timeout=self.config.request_timeout_s)
+        except httpx.HTTPError as exc:
+            problem = f"loading adapter {name} failed: {type(exc).__name__} {exc}".strip()
+        else:  # a 400 "already served" means a load that raced ours (or an earlier one) got there first
+            if response.status_code == 200 or (response.status_code == 400 and "already" in response.text):
+                if name not in replica.models:
+                    replica.models.append(name)
+                self.metrics.lora_loads.labels(replica.name, name, "loaded").inc()
+                log.info("loaded LoRA adapter %s on %s", name, replica.name)
+                return None
+            problem = f"loading adapter {name} answered {response.status_code}: {response.text[:200]}"
+        self.metrics.lora_loads.labels(replica.name, name, "failed").inc()
+        log.warning("%s on %s", problem, replica.name)
+        return problem
 
     def _record(self, req: RoutingRequest, decision: Decision) -> None:
         self.policy.on_routed(req, decision.replica)

@@ -58,6 +58,10 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    lora_adapters: int = 0  # LoRA adapters in memory, their bytes, loads and evictions since start
+    lora_bytes: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -272,10 +276,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()
+        adapters, nbytes = self.loras.resident() if self.loras is not None else (0, 0)
         return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, kv.blocks_total, kv.blocks_used,
                            kv.blocks_cached, kv.hit_tokens, kv.query_tokens, self.scheduler.num_preemptions,
                            self.prompt_tokens_total, self.generation_tokens_total,
-                           dict(self.scheduler.preemptions))
+                           dict(self.scheduler.preemptions), lora_adapters=adapters, lora_bytes=nbytes,
+                           lora_loads=self.loras.loads if self.loras is not None else 0,
+                           lora_evictions=self.loras.evictions if self.loras is not None else 0)
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -25,6 +25,7 @@ class LoRAManager:
         self.max_lora_rank, self.max_cpu_loras = max_lora_rank, max_cpu_loras
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.pinned: set[str] = set()
+        self.loads = self.evictions = 0  # since start, for /metrics
         self._generations = itertools.count(1)
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-load")
@@ -54,6 +55,7 @@ class LoRAManager:
                                self.max_lora_rank, self.dtype)
         with self._lock:
             adapter.generation = next(self._generations)
+            self.loads += 1
             self.adapters.pop(request.lora_name, None)
             self.adapters[request.lora_name] = adapter
             if pin:
@@ -62,6 +64,11 @@ class LoRAManager:
         logger.info("loaded LoRA adapter %s (rank %d, %.1f MB) from %s in %.0f ms", adapter.name, adapter.rank,
                     adapter.nbytes / 1e6, adapter.path, (time.perf_counter() - start) * 1e3)
         return adapter
+
+    def resident(self) -> tuple[int, int]:
+        """(adapters in memory, their bytes)."""
+        with self._lock:
+            return len(self.adapters), sum(a.nbytes for a in self.adapters.values())
 
     def unload(self, name: str) -> bool:
         """Forgets an adapter (requests already holding it finish with it); False if it was not loaded."""
@@ -75,5 +82,6 @@ class LoRAManager:
                 return
             if name not in self.pinned:
                 del self.adapters[name]
+                self.evictions += 1
                 logger.info("evicted LoRA adapter %s (least recently used; --max-cpu-loras %d)", name,
                             self.max_cpu_loras)

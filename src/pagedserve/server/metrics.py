@@ -55,6 +55,11 @@ class EngineStatsCollector(Collector):
         for reason, count in s.preemptions_by_reason.items():
             by_reason.add_metric([*values, reason], count)
         yield by_reason
+        yield gauge("lora_adapters_loaded", "LoRA adapters held in memory", s.lora_adapters)
+        yield gauge("lora_adapter_bytes", "bytes of the LoRA adapters held in memory", s.lora_bytes)
+        yield counter("lora_loads", "LoRA adapter loads (a reload counts again)", s.lora_loads)
+        yield counter("lora_evictions", "LoRA adapters evicted least-recently-used (--max-cpu-loras)",
+                      s.lora_evictions)
         yield counter("prompt_tokens", "prompt tokens processed", s.prompt_tokens_total)
         yield counter("generation_tokens", "tokens generated", s.generation_tokens_total)
 
