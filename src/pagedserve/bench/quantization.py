@@ -115,6 +115,7 @@ def run_args(args: argparse.Namespace) -> int:
 def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
     modes = list(engines)
     base_tps = statistics.median(tps[modes[0]])
+    kernels = ", ".join(sorted({e.weights_info["quant_kernel"] for e in engines.values()} - {"none"})) or "none"
     lines = [(f"Command: `pagedserve bench quantization --modes {args.modes} --threads {args.threads} "
              f"--requests {args.requests} --length {args.length} --repeats {args.repeats} "
              f"--kv-cache-memory {args.kv_cache_memory}`"), "", machine_line(), "",
@@ -136,6 +137,7 @@ def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
               "KV cache and activations are not counted)."),
               (f"- Threads: {args.threads} for every system. Figures: median (min-max over the rounds); the modes' "
               "order reverses every round."),
-              ("- Decode-sized calls (under 8 rows) multiply in integers (activations per 32 as int16); prefill "
-              "and batches from 8 rows dequantize into a float GEMM.")]
+              (f"- Kernels (integer path for calls under 8 rows + large-M path): {kernels}. The integer path "
+              "quantizes activations per 32 to int16; `amx` multiplies bf16 tiles over weights dequantized 32 rows at "
+              "a time; `dequant` dequantizes whole matrices into a float GEMM.")]
     return "\n".join(lines)
