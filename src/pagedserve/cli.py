@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "merge_config_file", False) and args.config:
         merge_config_file(args, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("faiss.loader", "bm25s"):  # which SIMD build loaded; index-building steps
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     return int(args.func(args) or 0)
 
 

@@ -32,3 +32,27 @@ class SourceBump(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: Version | Annotated[int, Field(ge=0, strict=True)] | None = None
 
+
+
+DocName = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^[^\x00-\x1f]+$")]
+
+
+class IndexDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: DocName = Field(description="document id; its suffix (.md .txt .html ...) says how it is parsed")
+    content: str | None = Field(None, description="the document's text")
+    content_base64: str | None = Field(None, description="or its raw bytes, base64-encoded (checked as UTF-8)")
+
+
+class IndexAdd(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    documents: list[IndexDocument] = Field(min_length=1, max_length=10_000)
+    prune_prefix: DocName | None = Field(None, description="also remove this prefix's documents not listed here")
+
+
+class IndexSearch(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    query: str = Field(min_length=1, max_length=100_000)
+    k: int = Field(3, ge=1, le=50)
+    mode: str = Field("hybrid", pattern="^(hybrid|lexical|dense)$")
+    min_score: float | None = Field(None, ge=-1, le=1)

@@ -2,7 +2,7 @@
 the seed's flow, each in a module of its own:
 
 admission.py (auth, rate limit, daily budget) -> caching.py (semantic cache, fresh?) -> routing.py (small
-or large tier) -> provider_call.py + speculation.py (timeout, retry, fallback, breaker; a call started
+or large tier) -> retrieving.py (context from the route's knowledge source) -> provider_call.py + speculation.py (timeout, retry, fallback, breaker; a call started
 early) -> settle.py (real usage replaces the reservation, trace) -> caching.py (remember the answer).
 """
 from __future__ import annotations
@@ -17,19 +17,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedserve.gateway.admin import add_admin_routes
-from pagedserve.gateway.admin_models import KeyCreate, SourceBump
+from pagedserve.gateway.admin_models import IndexAdd, IndexSearch, KeyCreate, SourceBump
 from pagedserve.gateway.admission import Admission
 from pagedserve.gateway.budget import BudgetKeeper
 from pagedserve.gateway.caching import CacheStage
 from pagedserve.gateway.call import Call
 from pagedserve.gateway.errors import APIError, install_error_handlers
 from pagedserve.gateway.gateway_config import GatewayConfig, Target
+from pagedserve.gateway.index_admin import add_index_routes
 from pagedserve.gateway.limits import RateLimiter
 from pagedserve.gateway.openapi import install_openapi
 from pagedserve.gateway.protocol import ChatRequest, CompletionRequest
 from pagedserve.gateway.provider_call import outcome, relay, upstream
 from pagedserve.gateway.providers import CallResult, ProviderPool, StreamResult
 from pagedserve.gateway.query_vectors import QueryVectors
+from pagedserve.gateway.retrieval.library import Library
+from pagedserve.gateway.retrieval.retriever import Retriever
+from pagedserve.gateway.retrieving import RetrievalStage
 from pagedserve.gateway.routing import TierRouter
 from pagedserve.gateway.semantic_cache import SemanticCache
 from pagedserve.gateway.settle import Settlement
@@ -51,8 +55,16 @@ class Gateway:
         self.traces = TraceSink(config.data_dir / "traces.db", config.otlp_endpoint, span_exporter,
                                 config.trace_retention_days)
         needs_classifier = any(r.large for r in config.routes.values())
-        embedder = embedder if embedder is not None else _load_embedder(config, needs_classifier)
+        needs_embedder = needs_classifier or config.cache.enabled or any(r.retrieval for r in config.routes.values())
+        self.embedder = embedder if embedder is not None else _load_embedder(config, needs_embedder)
+        embedder = self.embedder
         vectors = QueryVectors(embedder)
+        self.library = Library(self.store, embedder, Retriever(self.store, embedder.dim)) if embedder else None
+        self.retrieval = RetrievalStage(self.store, self.library.retriever, vectors) if embedder else None
+        for route in config.routes.values():
+            if route.retrieval is not None and route.speculate:
+                log.warning("route %s: speculate is off on a retrieval route (the early call would lack the "
+                            "chunks)", route.name)
         cache = SemanticCache(config.data_dir / "cache.db", embedder.dim) if config.cache.enabled else None
         classifier = None
         if needs_classifier:
@@ -60,7 +72,7 @@ class Gateway:
 
             classifier = load_or_train(embedder)
         self.admission = Admission(config, self.store, limiter, self.budgets)
-        self.caching = CacheStage(config, self.store, cache, vectors)
+        self.caching = CacheStage(config, self.store, cache, vectors, self.retrieval)
         self.router = TierRouter(classifier, vectors)
         self.settlement = Settlement(config, self.budgets, limiter, self.traces)
         self._background: set[asyncio.Task] = set()
@@ -92,6 +104,8 @@ class Gateway:
                 await self.settlement.finish(call, None, {})
                 return self.caching.answer(call)
             await self.router.choose_tier(call)
+            if call.route.retrieval is not None:
+                await self.retrieval.retrieve(call)
             pending = None
             if speculation is not None:
                 if speculation.tier == call.tier:
@@ -118,7 +132,7 @@ class Gateway:
 
     def speculate(self, call: Call, cacheable: bool) -> Speculation | None:
         """Starts the likely tier's call now, when the cache lookup or the classifier would otherwise delay it."""
-        if not call.route.speculate or not (cacheable or self.router.classifies(call)):
+        if not call.route.speculate or call.route.retrieval is not None or not (cacheable or self.router.classifies(call)):
             return None
         tier, sent = self.router.guess_tier(call), asyncio.Event()
         return Speculation.start(tier, upstream(self.providers, call, call.route.tier(tier), sent), sent)
@@ -128,6 +142,8 @@ class Gateway:
         self._spawn(speculation.cancel())
 
     async def complete(self, call: Call, result: CallResult) -> Response:
+        if call.retrieved is not None:
+            result.body["sources"] = call.sources
         await self.settlement.finish(call, result.target, result.body.get("usage") or {})
         task = BackgroundTask(self.caching.remember, call, result.body)
         return JSONResponse(result.body, headers=call.response_headers(result.target), background=task)
@@ -135,14 +151,18 @@ class Gateway:
     def relay(self, call: Call, result: StreamResult):
         def on_end(assembled: StreamAssembler, status: int, error: str | None) -> None:
             self._spawn(self.finish_stream(call, result.target, assembled, status, error))
-        return relay(call, result.target, result.events, on_end)
+        return relay(call, result.target, result.events, on_end,
+                     {"sources": call.sources} if call.retrieved is not None else None)
 
     async def finish_stream(self, call: Call, target: Target, assembled: StreamAssembler, status: int,
                             error: str | None) -> None:
         usage = self.settlement.stream_usage(call, assembled.usage, assembled.chunks)
         await self.settlement.finish(call, target, usage, status, error)
         if status == 200 and assembled.finish_reason is not None:
-            self.caching.remember(call, assembled.body())
+            body = assembled.body()
+            if call.retrieved is not None:
+                body["sources"] = call.sources
+            self.caching.remember(call, body)
 
     def status(self) -> dict:
         cache = self.caching.cache
@@ -154,8 +174,8 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
 
-def _load_embedder(config: GatewayConfig, needs_classifier: bool):
-    if not (config.cache.enabled or needs_classifier):
+def _load_embedder(config: GatewayConfig, needed: bool):
+    if not needed:
         return None
     import torch
 
@@ -181,8 +201,11 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, **kwargs) 
     install_error_handlers(app)
     add_api_routes(app, gw)
     add_admin_routes(app, config, gw.store, gw.budgets, gw.traces, gw.status)
+    add_index_routes(app, config, gw.library)
     install_openapi(app, {("/v1/chat/completions", "post"): ChatRequest, ("/v1/completions", "post"): CompletionRequest,
-                          ("/admin/keys", "post"): KeyCreate, ("/admin/sources/{name}/bump", "post"): SourceBump},
+                          ("/admin/keys", "post"): KeyCreate, ("/admin/sources/{name}/bump", "post"): SourceBump,
+                          ("/admin/index/{source}/documents", "post"): IndexAdd,
+                          ("/admin/index/{source}/search", "post"): IndexSearch},
                     {"/v1/chat/completions", "/v1/completions"})
     return app
 

@@ -1,5 +1,6 @@
 """Stage 2, cache lookup with freshness: whether a request may use the semantic cache, the lookup against
-the current versions of the route's knowledge sources, the replay of a hit, and remembering new answers."""
+the current versions of the route's knowledge sources (and, on a retrieval route, against the chunks each
+answer was built from), the replay of a hit, and remembering new answers."""
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -7,6 +8,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedserve.gateway.call import Call
 from pagedserve.gateway.gateway_config import GatewayConfig
 from pagedserve.gateway.query_vectors import QueryVectors
+from pagedserve.gateway.retrieving import RetrievalStage, cached_chunks
 from pagedserve.gateway.semantic_cache import SemanticCache, normalise, scope_key
 from pagedserve.gateway.store import Store
 from pagedserve.gateway.streaming import replay, replay_chunks
@@ -15,11 +17,13 @@ LEGACY_NO_TEAM = "default"  # what keys made without a team were given before te
 
 
 class CacheStage:
-    def __init__(self, config: GatewayConfig, store: Store, cache: SemanticCache | None, vectors: QueryVectors):
+    def __init__(self, config: GatewayConfig, store: Store, cache: SemanticCache | None, vectors: QueryVectors,
+                 retrieval: RetrievalStage | None = None):
         self.config = config
         self.store = store
         self.cache = cache
         self.vectors = vectors
+        self.retrieval = retrieval
 
     def cacheable(self, call: Call) -> bool:
         """Whether the cache is consulted for this request; if not, says why in the trace."""
@@ -45,13 +49,20 @@ class CacheStage:
 
     async def look_up(self, call: Call) -> bool:
         """True on a fresh hit (call.lookup holds it)."""
-        req, trace = call.request, call.trace
-        call.versions = await self.store.source_versions(sorted(set(call.route.sources) | set(req.sources)))
+        req, trace, retrieval = call.request, call.trace, call.route.retrieval
+        named = set(call.route.sources) | set(req.sources)
+        call.versions = await self.store.source_versions(sorted(named | ({retrieval.source} if retrieval else set())))
         trace.sources = call.versions
+        current, chunks_gone = call.versions, None
+        if retrieval is not None:  # the retrieval source is judged chunk by chunk, not by its version
+            call.index_version = call.versions[retrieval.source]
+            current = {s: v for s, v in call.versions.items() if s in named}
+            chunks_gone = await self.retrieval.freshness(call)
         call.vector = await self.vectors.vector(call.query)
         threshold = call.route.cache_threshold or self.config.cache.threshold
-        call.lookup = self.cache.lookup(call.scope, call.vector, threshold, call.versions,
-                                        req.max_completion_tokens or req.max_tokens, normalise(call.query))
+        call.lookup = self.cache.lookup(call.scope, call.vector, threshold, current,
+                                        req.max_completion_tokens or req.max_tokens, normalise(call.query),
+                                        chunks_gone)
         trace.cache, trace.cache_similarity = call.lookup.result, call.lookup.similarity
         trace.stale_reason = call.lookup.stale_reason
         return call.lookup.result == "hit"
@@ -79,6 +90,8 @@ class CacheStage:
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
         completion_tokens = usage.get("completion_tokens")
         ttl = call.route.cache_ttl_s or self.config.cache.ttl_s
+        retrieval = call.route.retrieval
+        chunks = cached_chunks(retrieval.source, call.retrieved or []) if retrieval is not None else None
         self.cache.put(call.scope, call.query, call.vector, body, call.versions, ttl,
                        call.request.max_completion_tokens or call.request.max_tokens, finish,
-                       completion_tokens if isinstance(completion_tokens, int) else 0)
+                       completion_tokens if isinstance(completion_tokens, int) else 0, chunks)

@@ -1,4 +1,4 @@
-"""CLI of the gateway tier: `pagedserve gateway` (serve, keys, traces, sources, usage).
+"""CLI of the gateway tier: `pagedserve gateway` (serve, keys, traces, sources, index, usage).
 
 Admin subcommands work on the gateway's store directly (the SQLite file or the shared Redis named in
 the config), so they work whether or not a gateway is running.
@@ -59,6 +59,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     bump.add_argument("--version", default=None, help="explicit version (default: previous + 1)")
     bump.set_defaults(func=_sources_bump)
     sources.add_parser("list", parents=[common], help="list sources and versions").set_defaults(func=_sources_list)
+
+    index = gsub.add_parser("index", help="the retrieval index of knowledge sources (docs/gateway.md)",
+                            description="Documents per knowledge source, searched by a route's `retrieval`. "
+                            "Versions follow the content: only changed documents are re-embedded, and the "
+                            "source's version moves only when something changed.").add_subparsers(
+                                dest="index", required=True)
+    add = index.add_parser("add", parents=[common], help="index files and folders (.md .txt .rst .html); "
+                           "re-adding a folder updates changed files and removes deleted ones")
+    add.add_argument("source", help="knowledge source name, e.g. hr-policy")
+    add.add_argument("paths", nargs="+", type=Path, help="files or folders")
+    add.set_defaults(func=_index_add)
+    remove = index.add_parser("remove", parents=[common], help="remove documents, or the whole source")
+    remove.add_argument("source")
+    remove.add_argument("documents", nargs="*", help="document names as `index list SOURCE` shows (default: all)")
+    remove.set_defaults(func=_index_remove)
+    listing = index.add_parser("list", parents=[common], help="sources, or one source's documents")
+    listing.add_argument("source", nargs="?", default=None)
+    listing.set_defaults(func=_index_list)
+    search = index.add_parser("search", parents=[common], help="the best chunks of a source for a query")
+    search.add_argument("source")
+    search.add_argument("query")
+    search.add_argument("-k", type=int, default=3, help="chunks to show (default 3)")
+    search.add_argument("--mode", choices=["hybrid", "lexical", "dense"], default="hybrid",
+                        help="hybrid (default: BM25 and dense fused by reciprocal rank) or one side alone")
+    search.set_defaults(func=_index_search)
 
     usage = gsub.add_parser("usage", parents=[common], help="spend per key and user per day")
     usage.add_argument("--day", default=None, help="YYYY-MM-DD in the config's time zone (default: all days)")
@@ -170,6 +195,57 @@ def _sources_list(args: argparse.Namespace) -> int:
         _print(await store.list_sources())
         return 0
     return _with_store(args, action)
+
+
+def _with_library(args: argparse.Namespace, action) -> int:
+    from pagedserve.embedding import Embedder
+    from pagedserve.gateway.retrieval.indexer import IndexInputError
+    from pagedserve.gateway.retrieval.library import Library
+
+    embedder = Embedder.load().fast()
+
+    async def run(store, _) -> int:
+        try:
+            return await action(Library(store, embedder))
+        except (IndexInputError, LookupError) as e:
+            print(f"gateway index: {e.args[0] if isinstance(e, LookupError) else e}", file=sys.stderr)
+            return 1
+    return _with_store(args, run)
+
+
+def _index_add(args: argparse.Namespace) -> int:
+    from pagedserve.gateway.retrieval.indexer import read_paths
+
+    async def action(library) -> int:
+        files, prefixes = read_paths(args.paths)
+        _print((await library.add(args.source, files, prefixes)).public())
+        return 0
+    return _with_library(args, action)
+
+
+def _index_remove(args: argparse.Namespace) -> int:
+    async def action(library) -> int:
+        _print((await library.remove(args.source, args.documents or None)).public())
+        return 0
+    return _with_library(args, action)
+
+
+def _index_list(args: argparse.Namespace) -> int:
+    async def action(library) -> int:
+        _print(await library.documents(args.source) if args.source else await library.sources())
+        return 0
+    return _with_library(args, action)
+
+
+def _index_search(args: argparse.Namespace) -> int:
+    async def action(library) -> int:
+        version, hits = await library.search(args.source, args.query, args.k, args.mode)
+        print(f"{args.source} v{version}, {args.mode}:")
+        for n, h in enumerate(hits, 1):
+            print(f"[{n}] {h.chunk.doc} > {h.chunk.heading}  (score {h.score:.4f}, cosine {h.cosine:.3f}, "
+                  f"bm25 {h.bm25:.2f})\n    {h.chunk.text[:300].replace(chr(10), ' ')}")
+        return 0
+    return _with_library(args, action)
 
 
 def _usage(args: argparse.Namespace) -> int:

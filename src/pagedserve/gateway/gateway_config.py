@@ -20,13 +20,17 @@ routes:
     large: [primary/large, fallback/large]
     sources: [hr-policy]                 # knowledge sources whose versions cached answers depend on
     speculate: true                      # call the likely tier while the cache and classifier run (see below)
+  hr-rag:
+    small: [primary/small]
+    retrieval: {source: hr-policy, k: 3, min_score: 0.2}   # answer from the source's top chunks (docs/gateway.md)
 ```
 
 `speculate` starts the provider call on the tier the request will most likely use (its pinned tier, else
 the classifier's lexical guess) as soon as it is admitted, while the query is embedded for the cache lookup
 and the classifier. A miss routed to that tier then gets the call already in flight (the embedding adds no
 latency); a cache hit or another verdict cancels it, which aborts it at a pagedserve provider but may still
-be billed by an external API: opt in where a cancelled call is cheap (docs/gateway.md).
+be billed by an external API: opt in where a cancelled call is cheap (docs/gateway.md). A retrieval route
+never speculates: the early call could not carry the chunks, so it would be a different request.
 """
 from __future__ import annotations
 
@@ -71,6 +75,37 @@ class Target:
         return f"{self.provider}/{self.model}"
 
 
+DEFAULT_CONTEXT_TEMPLATE = (
+    "Answer the user's question from the excerpts of the {source} documents below. If they do not contain the "
+    "answer, say that you do not know.\n\n{chunks}")
+DEFAULT_CHUNK_TEMPLATE = "[{n}] {document} > {heading}\n{text}"
+
+
+@dataclass(slots=True)
+class RetrievalConfig:
+    """A route's retrieval: the top `k` chunks of `source` go into the request as context."""
+    source: str
+    k: int = 3
+    min_score: float | None = 0.2  # least cosine similarity of a chunk to the question; None: no floor
+    candidates: int = 50  # taken from each of the lexical and dense sides before fusion
+    template: str = DEFAULT_CONTEXT_TEMPLATE  # a system message (chat) or the prompt's prefix (completions)
+    chunk_template: str = DEFAULT_CHUNK_TEMPLATE  # one per chunk; {n} {document} {heading} {text}
+
+    def validate(self, route: str) -> None:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= 50:
+            raise ValueError(f"route {route!r}: retrieval.k must be an integer from 1 to 50, not {self.k!r}")
+        if self.min_score is not None and not isinstance(self.min_score, (int, float)):
+            raise ValueError(f"route {route!r}: retrieval.min_score must be a number or absent")
+        if not isinstance(self.candidates, int) or self.candidates < self.k:
+            raise ValueError(f"route {route!r}: retrieval.candidates must be an integer >= k")
+        try:
+            self.template.format(source="", chunks="")
+            self.chunk_template.format(n=1, document="", heading="", text="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"route {route!r}: retrieval templates may use {{source}} {{chunks}} and "
+                             f"{{n}} {{document}} {{heading}} {{text}} only ({e!r})") from None
+
+
 @dataclass(slots=True)
 class RouteConfig:
     name: str
@@ -82,6 +117,7 @@ class RouteConfig:
     hard_threshold: float = 0.5  # classifier probability of "hard" at or above which the large tier is used
     speculate: bool = False  # start the likely tier's call while the cache lookup and classifier run
     max_tokens: int | None = None  # sent as max_tokens when a chat request has none; None: default_max_tokens
+    retrieval: RetrievalConfig | None = None
 
     def tier(self, name: str) -> list[Target]:
         return self.large if name == "large" and self.large else self.small
@@ -204,6 +240,8 @@ class GatewayConfig:
                                      f"{target.model!r} (it has {sorted(provider.models)})")
             if not route.small:
                 raise ValueError(f"route {route.name!r}: 'small' needs at least one provider/model")
+            if route.retrieval is not None:
+                route.retrieval.validate(route.name)
 
 
 def _provider(name: str, data: dict) -> ProviderConfig:
@@ -230,4 +268,9 @@ def _targets(specs: list[str] | None) -> list[Target]:
 def _route(name: str, data: dict) -> RouteConfig:
     data = dict(data)
     small, large = _targets(data.pop("small", None)), _targets(data.pop("large", None))
-    return RouteConfig(name=name, small=small, large=large, **data)
+    retrieval = data.pop("retrieval", None)
+    if retrieval is not None:
+        if not isinstance(retrieval, dict) or not retrieval.get("source"):
+            raise ValueError(f"route {name!r}: retrieval needs at least a source, e.g. {{source: hr-policy}}")
+        retrieval = RetrievalConfig(**retrieval)
+    return RouteConfig(name=name, small=small, large=large, retrieval=retrieval, **data)

@@ -60,9 +60,11 @@ def _text(value) -> str | None:
 
 
 async def relay(call: Call, target: Target, events: AsyncIterator[str],
-                on_end: Callable[[StreamAssembler, int, str | None], None]) -> AsyncIterator[bytes]:
+                on_end: Callable[[StreamAssembler, int, str | None], None],
+                first_extra: dict | None = None) -> AsyncIterator[bytes]:
     """Passes the provider's events through; a failure after the first one ends the stream with an error.
-    on_end(assembled, status, error) runs however the stream ends (499 when the client went away)."""
+    on_end(assembled, status, error) runs however the stream ends (499 when the client went away).
+    first_extra: fields added to the first event with choices (the gateway's `sources`)."""
     wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
     assembled = StreamAssembler(call.kind)
     status, error = 499, "the client closed the stream"  # until the stream ends one way or another
@@ -83,6 +85,8 @@ async def relay(call: Call, target: Target, events: AsyncIterator[str],
                 if event.get("usage") is not None:
                     event.pop("usage")
                     data = json.dumps(event)
+            if first_extra is not None and event.get("choices"):
+                data, first_extra = json.dumps({**event, **first_extra}), None
             yield sse(data)
         status, error = 200, None
         yield DONE

@@ -1,9 +1,10 @@
 """Semantic cache: answers keyed by the embedding of the normalised question, one faiss HNSW
 inner-product index per scope (tenant + route + every answer-shaping parameter).
 
-An entry remembers the versions of the knowledge sources it was answered against. A near-enough entry
-is a hit only while those versions are current and its TTL has not passed; otherwise it is stale,
-dropped, and the fresh answer that follows is stored against today's versions.
+An entry remembers the versions of the knowledge sources it was answered against, and for a retrieval
+route the chunks its answer was built from (content hashes). A near-enough entry is a hit only while those
+versions are current, every one of its chunks is still in the index unchanged, and its TTL has not passed;
+otherwise it is stale, dropped, and the fresh answer that follows is stored against today's versions.
 """
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from pagedserve.gateway.near_miss import compatible
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (entry_id INTEGER PRIMARY KEY, scope TEXT NOT NULL, query TEXT NOT NULL,
     vector BLOB NOT NULL, response TEXT NOT NULL, sources TEXT NOT NULL, created_at REAL NOT NULL,
-    expires_at REAL NOT NULL, max_tokens INTEGER, finish_reason TEXT, completion_tokens INTEGER NOT NULL);
+    expires_at REAL NOT NULL, max_tokens INTEGER, finish_reason TEXT, completion_tokens INTEGER NOT NULL,
+    chunks TEXT NOT NULL DEFAULT '{}');
 """
+ENTRY_COLUMNS = ("entry_id, scope, query, response, sources, created_at, expires_at, max_tokens, finish_reason, "
+                 "completion_tokens, chunks")
 
 # Body fields that do not change which answer is right: they are left out of the scope hash.
 SCOPE_FREE_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream",
@@ -56,6 +60,7 @@ class CacheEntry:
     max_tokens: int | None
     finish_reason: str | None
     completion_tokens: int
+    chunks: dict[str, dict[str, str]] = field(default_factory=dict)  # source -> chunk hash -> "document > heading"
 
     def fits(self, max_tokens: int | None) -> bool:
         """A stored answer serves a request whose max_tokens would have produced the same text."""
@@ -100,6 +105,8 @@ class SemanticCache:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        if "chunks" not in {row[1] for row in self.db.execute("PRAGMA table_info(entries)")}:
+            self.db.execute("ALTER TABLE entries ADD COLUMN chunks TEXT NOT NULL DEFAULT '{}'")  # a cache from before
         self.scopes: dict[str, _ScopeIndex] = {}
         self.positions: dict[int, tuple[str, int]] = {}  # entry_id -> (scope, position)
         self._load()
@@ -149,11 +156,15 @@ class SemanticCache:
         return None, 0.0
 
     def lookup(self, scope: str, vector: np.ndarray, threshold: float, current: dict[str, str],
-               max_tokens: int | None, query: str | None = None) -> Lookup:
+               max_tokens: int | None, query: str | None = None,
+               chunks_gone: Callable[[CacheEntry], str | None] | None = None) -> Lookup:
+        """chunks_gone(entry): why the entry's chunks are no longer all in the index, or None."""
         entry, similarity = self.search(scope, vector, max_tokens, query)
         if entry is None or similarity < threshold:
             return Lookup("miss", None, round(similarity, 4) if entry else None)
         reason = stale_reason(entry, current, self.clock())
+        if reason is None and chunks_gone is not None:
+            reason = chunks_gone(entry)
         if reason is not None:
             self.drop(entry.entry_id)
             return Lookup("stale", entry, round(similarity, 4), reason)
@@ -161,23 +172,23 @@ class SemanticCache:
 
     def get(self, entry_id: int) -> CacheEntry | None:
         with self.lock:
-            row = self.db.execute("SELECT entry_id, scope, query, response, sources, created_at, expires_at, "
-                                  "max_tokens, finish_reason, completion_tokens FROM entries WHERE entry_id = ?",
-                                  (entry_id,)).fetchone()
+            row = self.db.execute(f"SELECT {ENTRY_COLUMNS} FROM entries WHERE entry_id = ?", (entry_id,)).fetchone()
         if row is None:
             return None
-        return CacheEntry(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]), *row[5:])
+        return CacheEntry(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]), *row[5:10],
+                          json.loads(row[10]))
 
     def put(self, scope: str, query: str, vector: np.ndarray, response: dict, sources: dict[str, str],
-            ttl_s: float, max_tokens: int | None, finish_reason: str | None, completion_tokens: int) -> int:
+            ttl_s: float, max_tokens: int | None, finish_reason: str | None, completion_tokens: int,
+            chunks: dict[str, dict[str, str]] | None = None) -> int:
         now = self.clock()
         vector = np.ascontiguousarray(vector, dtype=np.float32).reshape(1, self.dim)
         with self.lock:
             cursor = self.db.execute(
                 "INSERT INTO entries(scope, query, vector, response, sources, created_at, expires_at, max_tokens, "
-                "finish_reason, completion_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "finish_reason, completion_tokens, chunks) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (scope, query, vector.tobytes(), json.dumps(response), json.dumps(sources), now, now + ttl_s,
-                 max_tokens, finish_reason, completion_tokens))
+                 max_tokens, finish_reason, completion_tokens, json.dumps(chunks or {})))
             entry_id = int(cursor.lastrowid)
             self._add(scope, [entry_id], vector)
         return entry_id

@@ -1,4 +1,5 @@
-"""Gateway state: keys, rate-limit buckets, daily spend and knowledge-source versions.
+"""Gateway state: keys, rate-limit buckets, daily spend, knowledge-source versions and the retrieval index's
+documents (one record per document: its chunks and their vectors, so no instance re-embeds another's work).
 
 SQLiteStore (default) keeps one instance's state in a WAL file that survives a restart or a crash of
 the process. RedisStore lets many gateway instances share it: every check-and-update is one Lua script,
@@ -202,6 +203,43 @@ class SQLiteStore:
             rows = self.db.execute("SELECT name, version, updated_at FROM sources ORDER BY name").fetchall()
         return {n: {"version": v, "updated_at": t} for n, v, t in rows}
 
+    async def index_manifest(self, source: str) -> dict[str, str]:
+        """Document name -> content hash of what the source's index holds."""
+        with self.lock:
+            rows = self.db.execute("SELECT name, content_hash FROM index_docs WHERE source = ?", (source,)).fetchall()
+        return dict(rows)
+
+    async def index_records(self, source: str, names: list[str] | None = None) -> dict[str, str]:
+        """Document name -> its record (JSON), for the named documents or all of them."""
+        with self.lock:
+            rows = self.db.execute("SELECT name, record FROM index_docs WHERE source = ?", (source,)).fetchall()
+        wanted = None if names is None else set(names)
+        return {n: r for n, r in rows if wanted is None or n in wanted}
+
+    async def index_apply(self, source: str, put: dict[str, tuple[str, str]], remove: list[str]) -> str:
+        """Writes (name -> (content hash, record)) and deletes names in one transaction; the source's version
+        moves on only when something changed. Returns the version now current."""
+        def apply(db: sqlite3.Connection) -> str:
+            for name, (content_hash, record) in put.items():
+                db.execute("INSERT OR REPLACE INTO index_docs(source, name, content_hash, record) VALUES (?, ?, ?, ?)",
+                           (source, name, content_hash, record))
+            for name in remove:
+                db.execute("DELETE FROM index_docs WHERE source = ? AND name = ?", (source, name))
+            row = db.execute("SELECT version FROM sources WHERE name = ?", (source,)).fetchone()
+            if not put and not remove and row is not None:
+                return row[0]
+            new = next_version(row[0] if row else None)
+            db.execute("INSERT OR REPLACE INTO sources(name, version, updated_at) VALUES (?, ?, ?)",
+                       (source, new, self.clock()))
+            return new
+        return self._txn(apply)
+
+    async def indexed_sources(self) -> dict[str, int]:
+        """Source -> number of indexed documents."""
+        with self.lock:
+            rows = self.db.execute("SELECT source, COUNT(*) FROM index_docs GROUP BY source ORDER BY source").fetchall()
+        return dict(rows)
+
 
 SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (key_id TEXT PRIMARY KEY, key_hash TEXT UNIQUE NOT NULL, data TEXT NOT NULL);
@@ -211,6 +249,8 @@ CREATE TABLE IF NOT EXISTS spend (day TEXT NOT NULL, scope TEXT NOT NULL, nanos 
 CREATE TABLE IF NOT EXISTS holds (day TEXT NOT NULL, scope TEXT NOT NULL, nanos INTEGER NOT NULL,
                                   PRIMARY KEY (day, scope));
 CREATE TABLE IF NOT EXISTS sources (name TEXT PRIMARY KEY, version TEXT NOT NULL, updated_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS index_docs (source TEXT NOT NULL, name TEXT NOT NULL, content_hash TEXT NOT NULL,
+                                       record TEXT NOT NULL, PRIMARY KEY (source, name));
 """
 
 # KEYS: bucket keys. ARGV: capacity, rate, cost for each bucket. Uses the Redis clock so instances agree.
@@ -282,6 +322,31 @@ redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({version = version, updated_at
 return version
 """
 
+# KEYS: sources, the source's hashes, its records; ARGV: source, now, #puts, (name, hash, record)*, names to delete.
+INDEX_APPLY_LUA = """
+local n = tonumber(ARGV[3])
+local i = 4
+for _ = 1, n do
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 2])
+  i = i + 3
+end
+local removed = 0
+for j = i, #ARGV do
+  removed = removed + redis.call('HDEL', KEYS[2], ARGV[j])
+  redis.call('HDEL', KEYS[3], ARGV[j])
+end
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+local version = current and cjson.decode(current)['version']
+if n == 0 and removed == 0 and version then
+  return version
+end
+local v = version and tonumber(version)
+version = v and tostring(math.floor(v) + 1) or '1'
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({version = version, updated_at = tonumber(ARGV[2])}))
+return version
+"""
+
 
 class RedisStore:
     SPEND_TTL_S = 400 * 86400  # usage history kept for reports
@@ -301,6 +366,7 @@ class RedisStore:
         self._give_back = self.redis.register_script(GIVE_BACK_LUA)
         self._reserve = self.redis.register_script(RESERVE_LUA)
         self._bump = self.redis.register_script(BUMP_LUA)
+        self._index_apply = self.redis.register_script(INDEX_APPLY_LUA)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -399,6 +465,30 @@ class RedisStore:
     async def list_sources(self) -> dict[str, dict]:
         rows = await self.redis.hgetall(self.p + "sources")
         return {n: json.loads(v) for n, v in sorted(rows.items())}
+
+    async def index_manifest(self, source: str) -> dict[str, str]:
+        return await self.redis.hgetall(f"{self.p}index_hash:{source}")
+
+    async def index_records(self, source: str, names: list[str] | None = None) -> dict[str, str]:
+        key = f"{self.p}index_doc:{source}"
+        if names is None:
+            return await self.redis.hgetall(key)
+        if not names:
+            return {}
+        return {n: r for n, r in zip(names, await self.redis.hmget(key, names)) if r is not None}
+
+    async def index_apply(self, source: str, put: dict[str, tuple[str, str]], remove: list[str]) -> str:
+        args: list = [source, time.time(), len(put)]
+        for name, (content_hash, record) in put.items():
+            args += [name, content_hash, record]
+        keys = [self.p + "sources", f"{self.p}index_hash:{source}", f"{self.p}index_doc:{source}"]
+        return await self._index_apply(keys=keys, args=args + list(remove))
+
+    async def indexed_sources(self) -> dict[str, int]:
+        counts = {}
+        async for key in self.redis.scan_iter(self.p + "index_hash:*"):
+            counts[key.removeprefix(self.p + "index_hash:")] = await self.redis.hlen(key)
+        return {s: n for s, n in sorted(counts.items()) if n}
 
 
 Store = SQLiteStore | RedisStore

@@ -40,6 +40,8 @@ def replay_chunks(body: dict, kind: str, include_usage: bool) -> list[str]:
         base["object"] = "text_completion"
         chunks = [{**base, "choices": [{"index": 0, "text": text, "finish_reason": None}]},
                   {**base, "choices": [{"index": 0, "text": "", "finish_reason": finish}]}]
+    if "sources" in body:  # a retrieval route's answer names its chunks in the first event, as when relayed
+        chunks[0]["sources"] = body["sources"]
     if include_usage:
         chunks.append({**base, "choices": [], "usage": body.get("usage")})
     return [sse(c) for c in chunks] + [DONE]

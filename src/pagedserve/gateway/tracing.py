@@ -34,6 +34,9 @@ class Trace:
     cache_similarity: float | None = None
     stale_reason: str | None = None
     sources: dict[str, str] = field(default_factory=dict)  # versions the answer depends on
+    retrieval: list[dict] | None = None  # chunks put into the request: document, heading, hash, scores
+    retrieval_ms: float | None = None  # the index search (the query embedding is shared with the cache)
+    retrieval_note: str | None = None  # why a retrieval route retrieved nothing
     budget_spent_usd: float | None = None  # the user's spend today before this request
     budget_limit_usd: float | None = None
     budget_note: str | None = None  # usage that passed its reservation, or was not reported
@@ -123,6 +126,8 @@ def _export(tracer, trace: Trace) -> None:
 
     attributes = {f"gateway.{k}": v for k, v in trace.to_dict().items()
                   if v is not None and isinstance(v, (str, bool, int, float))}
+    if trace.retrieval is not None:
+        attributes["gateway.retrieval"] = json.dumps(trace.retrieval)
     attributes["gen_ai.usage.input_tokens"] = trace.prompt_tokens
     attributes["gen_ai.usage.output_tokens"] = trace.completion_tokens
     end = trace.started_at + trace.latency_ms / 1000

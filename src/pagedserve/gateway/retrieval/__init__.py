@@ -1,0 +1,1 @@
+"""Retrieval for the gateway: documents, chunks, the hybrid index and its versions."""
