@@ -259,3 +259,17 @@ def test_two_instances_sharing_redis_serve_the_same_version_without_re_embedding
             await second.store.close()
     with process:
         run(scenario())
+
+
+def test_bulk_document_embeddings_match_the_query_encoder(embedder, monkeypatch):
+    """Chunks are embedded by the plain encoder (bf16 autocast where the CPU has native bf16), queries by the fast
+    fp16-weight one: both must land on the same vectors, on either path."""
+    from pagedserve.embedding import embedder as module
+
+    texts = ["Each parent may take parental leave of up to 36 months per child.",
+             "The with statement calls __enter__ and __exit__ on the context manager. " * 8]
+    reference = embedder.embed(texts)
+    for native in (True, False):
+        monkeypatch.setattr(module, "_native_bf16", lambda native=native: native)
+        bulk = embedder.embed_documents(texts)
+        assert np.all((bulk * reference).sum(axis=1) > 0.999), native
