@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Proxies the OpenAI API to N `pagedserve serve` replicas, choosing one per request by "
                     "policy, region and data residency (header x-residency: eu keeps a request on replicas "
                     "tagged eu), with health probes and failover. Its own /health, /v1/models, /metrics.")
-    router.add_argument("--replica", action="append", metavar="URL[,name=N][,region=R][,tags=T1:T2]",
-                        help="a replica (repeatable), e.g. http://10.0.0.5:8000,region=eu-west,tags=eu")
+    router.add_argument("--replica", action="append", metavar="URL[,name=N][,region=R][,tags=T1:T2][,role=R]",
+                        help="a replica (repeatable), e.g. http://10.0.0.5:8000,region=eu-west,tags=eu; "
+                             "role=prefill|decode|both for disaggregated prefill/decode (default both)")
     router.add_argument("--config", dest="cluster_config", type=Path, default=None,
                         help="cluster YAML: replicas (url, name, region, tags), rtt_ms matrix, policy, "
                              "health and timeout settings (see ClusterConfig)")
@@ -37,7 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "up", help="start N replicas and the router in front of them; Ctrl-C or SIGTERM stops all",
         description="Starts N `pagedserve serve` replicas (local processes, or Ray actors with --backend ray) "
                     "and runs the router on --host/--port until interrupted. Engine flags go to every replica.")
-    up.add_argument("--replicas", type=int, default=2, help="number of replicas")
+    up.add_argument("--replicas", type=int, default=2, help="number of replicas (each prefills and decodes)")
+    up.add_argument("--prefill", type=int, default=0,
+                    help="disaggregated: this many prefill replicas (--kv-role prefill) in place of --replicas, "
+                         "with --decode decode replicas; the router moves each prompt's KV blocks between them")
+    up.add_argument("--decode", type=int, default=0, help="disaggregated: decode replicas (--kv-role decode)")
     up.add_argument("--backend", choices=["local", "ray"], default="local",
                     help="local processes, or actors on a Ray cluster")
     up.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start one locally)")
@@ -84,15 +89,20 @@ def run_cluster_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanup runs even while replicas start
     engine = EngineConfig.from_args(args)
+    if (args.prefill > 0) != (args.decode > 0):
+        raise SystemExit("cluster up: --prefill and --decode go together (at least one of each)")
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode or ["both"] * args.replicas
     if engine.num_threads is None:
-        engine.num_threads = threads_per_replica(args.replicas)
+        engine.num_threads = threads_per_replica(len(roles))
     serve_args = engine_flags(engine) + shlex.split(args.serve_args)
     if args.backend == "ray":
         from pagedserve.cluster.ray_launcher import RayCluster
-        cluster = RayCluster(args.replicas, serve_args, address=args.ray_address, replica_cpus=args.replica_cpus)
+        cluster = RayCluster(len(roles), serve_args, address=args.ray_address, replica_cpus=args.replica_cpus,
+                             roles=roles)
     else:
-        cluster = LocalCluster(args.replicas, serve_args, log_dir=args.log_dir)
+        cluster = LocalCluster(len(roles), serve_args, log_dir=args.log_dir, roles=roles)
     with cluster:
-        specs = [ReplicaSpec(url=url, name=f"replica-{i}") for i, url in enumerate(cluster.urls())]
+        specs = [ReplicaSpec(url=url, name=f"{role}-{i}" if role != "both" else f"replica-{i}", kv_role=role)
+                 for i, (url, role) in enumerate(zip(cluster.urls(), roles))]
         serve_router(config_from_args(args, specs), args.host, args.port)
     return 0

@@ -17,10 +17,11 @@ class ReplicaSpec:
     name: str = ""
     region: str = "local"
     tags: tuple[str, ...] = ()
+    kv_role: str = "both"  # prefill | decode | both: its part in disaggregated serving
 
     @classmethod
     def parse(cls, text: str) -> ReplicaSpec:
-        """'URL[,name=N][,region=R][,tags=eu:gdpr]' -> spec."""
+        """'URL[,name=N][,region=R][,tags=eu:gdpr][,role=prefill|decode|both]' -> spec."""
         url, *options = text.split(",")
         spec = cls(url=url.rstrip("/"))
         for option in options:
@@ -31,8 +32,10 @@ class ReplicaSpec:
                 spec.region = value
             elif key == "tags":
                 spec.tags = tuple(t for t in value.split(":") if t)
+            elif key == "role":
+                spec.kv_role = value
             else:
-                raise ValueError(f"unknown replica option {key!r} in {text!r} (use name=, region=, tags=)")
+                raise ValueError(f"unknown replica option {key!r} in {text!r} (use name=, region=, tags=, role=)")
         return spec
 
 
@@ -77,7 +80,8 @@ class ClusterConfig:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
         replicas = [ReplicaSpec.parse(r) if isinstance(r, str) else
                     ReplicaSpec(url=r["url"].rstrip("/"), name=r.get("name", ""),
-                                region=r.get("region", "local"), tags=_tags(r.get("tags", ())))
+                                region=r.get("region", "local"), tags=_tags(r.get("tags", ())),
+                                kv_role=r.get("kv_role", "both"))
                     for r in data.pop("replicas", [])]
         return cls(replicas=replicas, **data)
 
@@ -91,6 +95,11 @@ class ClusterConfig:
                 spec.tags = tuple(parse_name(t) for t in spec.tags)
             except ValueError as exc:
                 raise ValueError(f"replica {spec.name}: residency tag {exc}") from None
+            if spec.kv_role not in ("prefill", "decode", "both"):
+                raise ValueError(f"replica {spec.name}: kv_role must be prefill, decode or both, not {spec.kv_role!r}")
+        roles = {s.kv_role for s in self.replicas}
+        if "prefill" in roles and not roles & {"decode", "both"}:
+            raise ValueError("prefill replicas need at least one decode (or both) replica to hand their requests to")
         names = [s.name for s in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique: {names}")

@@ -43,6 +43,7 @@ class HealthMonitor:
         self.on_confirm = on_confirm
         self._passive: dict[str, int] = {}
         self._confirming: dict[str, asyncio.Task] = {}
+        self.disaggregated = any(r.kv_role == "prefill" for r in replicas)
 
     async def run(self) -> None:
         while True:
@@ -54,11 +55,34 @@ class HealthMonitor:
 
     async def probe(self, replica: Replica) -> None:
         ok, reason = await self._check(replica)
+        if ok and self.disaggregated:
+            reason = await self._kv_mismatch(replica)
+            ok = reason is None
         if ok:  # what it serves changes at run time (LoRA adapters loaded, unloaded): read it on every probe
             await self._load_info(replica)
             self._probe_succeeded(replica)
         else:
             self._probe_failed(replica, reason)
+
+    async def _kv_mismatch(self, replica: Replica) -> str | None:
+        """Disaggregated: a replica whose KV blocks could not move to or from the prefill pool (another model,
+        block size or KV format), or that runs another role than configured, stays out of rotation."""
+        try:
+            info = (await self.client.get(replica.url + "/v1/kv/info", timeout=self.timeout_s)).json()
+            replica.kv_layout = (info["model"], int(info["block_size"]), info["kv_format"])
+            role = info["kv_role"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            return f"/v1/kv/info failed: {type(exc).__name__} {exc}".strip()
+        if role not in (replica.kv_role, "both"):
+            return f"configured as a {replica.kv_role} replica, but it runs with --kv-role {role}"
+        reference = next((r for r in self.replicas if r.kv_role == "prefill" and r.kv_layout is not None), None)
+        if reference is not None and reference is not replica and reference.kv_layout != replica.kv_layout:
+            model, size, fmt = replica.kv_layout
+            return (f"its KV blocks ({model}, {size}-token blocks, {fmt}) cannot be transferred from "
+                    f"{reference.name}'s ({reference.kv_layout[0]}, {reference.kv_layout[1]}-token blocks, "
+                    f"{reference.kv_layout[2]}): start both pools with the same model, --block-size and "
+                    "--kv-cache-dtype")
+        return None
 
     async def _check(self, replica: Replica) -> tuple[bool, str]:
         """One GET /health: whether it answered 200, and what went wrong if not."""

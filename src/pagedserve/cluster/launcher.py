@@ -104,16 +104,17 @@ class LocalCluster:
     """Starts replicas; `with LocalCluster(...) as cluster:` stops them all on exit, however it exits."""
 
     def __init__(self, num_replicas: int, serve_args: list[str], host: str = "127.0.0.1",
-                 log_dir: Path | None = None, startup_timeout: float = 300.0) -> None:
+                 log_dir: Path | None = None, startup_timeout: float = 300.0, roles: list[str] | None = None) -> None:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pagedserve-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
         self.startup_timeout = startup_timeout
         self.replicas: list[ReplicaProcess] = []
+        self.roles = roles or ["both"] * num_replicas  # --kv-role per replica (disaggregated prefill/decode)
         for i in range(num_replicas):
             port = free_port(host)
             self.replicas.append(ReplicaProcess(f"replica-{i}", f"http://{host}:{port}", port,
-                                                serve_command(host, port, serve_args),
+                                                serve_command(host, port, [*serve_args, "--kv-role", self.roles[i]]),
                                                 self.log_dir / f"replica-{i}.log"))
 
     def start(self) -> LocalCluster:

@@ -37,6 +37,11 @@ class RouterMetrics:
         self.lora_loads = Counter(PREFIX + "lora_loads", "LoRA adapters the router loaded on a replica, by "
                                   "adapter and result (loaded, or the failure)", ["replica", "adapter", "result"],
                                   registry=r)
+        self.prefills = Counter(PREFIX + "prefills", "disaggregated requests' prefill halves by prefill replica and "
+                                "result (handed_off, or the failure; a failed prefill is recomputed by the decode "
+                                "replica)", ["replica", "result"], registry=r)
+        self.prefill_seconds = Histogram(PREFIX + "prefill_seconds", "a prefill replica's time for the prefill half",
+                                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_byte_seconds", "router-side time to the first streamed "
                               "chunk", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
         self.healthy = Gauge(PREFIX + "replica_healthy", "1 when the replica is in rotation", ["replica"],

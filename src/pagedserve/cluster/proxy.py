@@ -27,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedserve.cluster.client_input import Refusal
+from pagedserve.cluster.disagg import prefill_first
 from pagedserve.cluster.policies import RoutingRequest
 from pagedserve.cluster.replica import Replica
 from pagedserve.cluster.router import NoReplicaError, Router
@@ -90,6 +91,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def forward(router: Router, fwd: Forward) -> Response:
+    if router.disaggregated:
+        fwd = await prefill_first(router, fwd)
     tried: list[str] = []
     failures: list[str] = []
     erred: list[Replica] = []  # replicas that answered this request 5xx

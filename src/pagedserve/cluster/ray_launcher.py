@@ -47,9 +47,10 @@ class ReplicaActor:
 class RayCluster:
     def __init__(self, num_replicas: int, serve_args: list[str], *, address: str | None = None,
                  replica_cpus: float | None = None, host: str | None = None, num_cpus: int | None = None,
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, roles: list[str] | None = None) -> None:
         self.num_replicas = num_replicas
         self.serve_args = serve_args
+        self.roles = roles or ["both"] * num_replicas  # --kv-role per replica
         self.address = address
         self.num_cpus = num_cpus or os.cpu_count() or 1
         self.replica_cpus = replica_cpus or self.num_cpus / (num_replicas + 1)  # one share left for the router
@@ -68,7 +69,8 @@ class RayCluster:
             self._owns_ray = True
         remote_actor = ray.remote(num_cpus=self.replica_cpus)(ReplicaActor)
         try:
-            self.actors = [remote_actor.remote(f"ray-replica-{i}", self.serve_args, self.host)
+            self.actors = [remote_actor.remote(f"ray-replica-{i}", [*self.serve_args, "--kv-role", self.roles[i]],
+                                               self.host)
                            for i in range(self.num_replicas)]
             self._urls = ray.get([a.wait_url.remote(self.startup_timeout) for a in self.actors])
         except BaseException:

@@ -10,6 +10,7 @@ class Replica:
     url: str
     region: str = "local"
     tags: frozenset[str] = frozenset()  # residency tags, e.g. {"eu"}
+    kv_role: str = "both"  # prefill replicas only compute prompts for the others (disaggregation)
     healthy: bool = False  # unknown until the first probe answers
     ejected_reason: str = "not probed yet"
     consecutive_failures: int = 0
@@ -19,6 +20,7 @@ class Replica:
     latency_ms: float | None = None  # EWMA of measured probe round-trips
     models: list[str] = field(default_factory=list)
     kv_tokens: int | None = None  # size of its KV pool, from its /metrics
+    kv_layout: tuple[str, int, str] | None = None  # (model, block size, KV format), when disaggregated
 
     def start_request(self, tokens: int) -> None:
         self.inflight_requests += 1
@@ -37,5 +39,5 @@ class Replica:
             "healthy": self.healthy, "reason": "" if self.healthy else self.ejected_reason,
             "inflight_requests": self.inflight_requests, "inflight_tokens": self.inflight_tokens,
             "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 2),
-            "models": self.models, "kv_tokens": self.kv_tokens,
+            "models": self.models, "kv_tokens": self.kv_tokens, "kv_role": self.kv_role,
         }

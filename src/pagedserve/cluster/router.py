@@ -36,8 +36,9 @@ class NoReplicaError(Exception):
 class Router:
     def __init__(self, config: ClusterConfig, client: httpx.AsyncClient) -> None:
         self.config = config
-        self.replicas = [Replica(s.name, s.url, s.region, frozenset(t.lower() for t in s.tags))
+        self.replicas = [Replica(s.name, s.url, s.region, frozenset(t.lower() for t in s.tags), kv_role=s.kv_role)
                          for s in config.replicas]
+        self.disaggregated = any(r.kv_role == "prefill" for r in self.replicas)
         options = {}
         if config.policy == "prefix_affinity":
             options = {"cache_threshold": config.cache_threshold, "balance_abs": config.balance_abs,
@@ -58,8 +59,12 @@ class Router:
 
     def select(self, req: RoutingRequest, *, residency: frozenset[str] = frozenset(),
                client_region: str | None = None, model: str | None = None,
-               exclude: Sequence[str] = ()) -> Decision:
-        allowed = [r for r in self.replicas if allowed_by_residency(r, residency)]
+               exclude: Sequence[str] = (), prefill: bool = False) -> Decision:
+        """prefill: choose among the prefill pool; otherwise among the replicas that decode (all when no
+        replica is prefill-only). Residency rules apply to both pools."""
+        pool = [r for r in self.replicas if (r.kv_role == "prefill") == prefill] if self.disaggregated \
+            else self.replicas
+        allowed = [r for r in pool if allowed_by_residency(r, residency)]
         if not allowed:
             raise NoReplicaError(f"no replica carries the residency tags {sorted(residency)} this request "
                                  "requires")

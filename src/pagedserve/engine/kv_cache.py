@@ -67,17 +67,8 @@ class KVCacheManager:
         """Blocks holding the longest cached prefix of req; at least one token is left to compute."""
         if not self.enable_prefix_caching or req.prompt_logprobs is not None:  # those need every position computed
             return []
-        hits, parent = [], None
         max_blocks = (req.num_tokens - 1) // self.block_size
-        for i in range(max_blocks):
-            tokens = tuple(req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent, tokens, req.cache_salt))
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break
-            hits.append(block_id)
-            parent = h
-        return hits
+        return self.cached_prefix_blocks(req.all_token_ids[:max_blocks * self.block_size], req.cache_salt)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's newly completed full blocks (KV computed) in the prefix cache."""
@@ -152,6 +143,56 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self.free_queue[b] = None
         self.req_hashes.pop(request_id, None)
+
+    # -- transfer between workers (disaggregated prefill/decode) ----------------------------------
+    def cached_prefix_blocks(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        """The cached blocks holding the longest prefix of these tokens (full blocks only), each verified
+        against its stored tokens."""
+        hits, parent = [], None
+        for i in range(len(token_ids) // self.block_size):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent, tokens, salt))
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Holds blocks (a transfer lease): neither evicted nor reused until unpinned."""
+        for b in block_ids:
+            self._touch(b)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            block = self.blocks[b]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {b} unpinned twice"
+            if block.ref_count == 0:
+                self.free_queue[b] = None
+
+    def insert_cached(self, token_ids: list[int], start: int, count: int, salt: str | None = None) -> list[int]:
+        """Free blocks registered in the prefix cache as holding blocks start..start+count of these tokens
+        (blocks 0..start must already be cached); the caller writes their KV before anything else runs. They
+        stay free (evictable, most recently used). Fewer than count when the pool has fewer free blocks."""
+        parent = None
+        for i in range(start):
+            parent = hash((parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]), salt))
+        out = []
+        for i in range(start, min(start + count, start + self.num_free_blocks)):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent, tokens, salt))
+            if h in self.cached:  # cached meanwhile (computed here): keep what is there
+                break
+            block_id = self._pop_free()
+            block = self.blocks[block_id]
+            block.ref_count, block.block_hash, block.token_ids = 0, h, tokens
+            self.cached[h] = block_id
+            self.free_queue[block_id] = None
+            out.append(block_id)
+            parent = h
+        return out
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

@@ -15,6 +15,7 @@ from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.calibration import CALIBRATION_TEXT
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache import KVCacheManager
+from pagedserve.engine.kv_transfer import KVTransfer
 from pagedserve.engine.lora_manager import LoRAManager
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
 from pagedserve.engine.request import Request, RequestStatus
@@ -62,6 +63,8 @@ class EngineStats:
     lora_bytes: int = 0
     lora_loads: int = 0
     lora_evictions: int = 0
+    kv_leases: int = 0  # KV transfer leases held for decode workers, and the blocks they pin
+    kv_leased_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -135,6 +138,7 @@ class LLMEngine:
                                   calibration_ids=self.tokenizer.encode(CALIBRATION_TEXT))
         self.weights_info.update(kv_cache_dtype=self.kv_format.name, kv_cache_blocks=num_blocks,
                                  kv_cache_tokens=num_blocks * config.block_size)
+        self.kv_transfer = KVTransfer(self.kv, self.runner)  # leases and imports of KV blocks (disaggregation)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_protect_after, config.priority_preemption_delay,
                                    config.max_loras)
@@ -282,7 +286,8 @@ class LLMEngine:
                            self.prompt_tokens_total, self.generation_tokens_total,
                            dict(self.scheduler.preemptions), lora_adapters=adapters, lora_bytes=nbytes,
                            lora_loads=self.loras.loads if self.loras is not None else 0,
-                           lora_evictions=self.loras.evictions if self.loras is not None else 0)
+                           lora_evictions=self.loras.evictions if self.loras is not None else 0,
+                           kv_leases=len(self.kv_transfer.leases), kv_leased_blocks=self.kv_transfer.pinned_blocks)
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -117,6 +117,43 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+
+    def block_tensors(self, layer) -> list[torch.Tensor]:
+        """What a block holds in one layer: K and V, and their per-token scales (int8). Per-head scales (fp8)
+        come from the same calibration on every worker, so they do not travel."""
+        return [layer.k, layer.v] + ([layer.k_scale, layer.v_scale] if self.kv_format.per_token_scale else [])
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> bytes:
+        """The blocks' KV as stored (quantized blocks at their quantized size), layer by layer."""
+        slots = self._slots(block_ids)
+        parts = [t.index_select(0, slots).contiguous().view(torch.uint8).flatten()
+                 for layer in self.kv_caches for t in self.block_tensors(layer)]
+        return torch.cat(parts).numpy().tobytes() if parts else b""
+
+    def export_size(self, num_blocks: int) -> int:
+        return sum(t.element_size() * int(t[0].numel()) * self.block_size * num_blocks
+                   for layer in self.kv_caches for t in self.block_tensors(layer))
+
+    @torch.inference_mode()
+    def import_blocks(self, block_ids: list[int], data: bytes, num_blocks: int) -> None:
+        """Writes the first len(block_ids) of the num_blocks blocks export_blocks put in data into these."""
+        if len(data) != self.export_size(num_blocks):
+            raise ValueError(f"KV data of {len(data)} bytes for {num_blocks} blocks; expected "
+                             f"{self.export_size(num_blocks)} (another model, block size or KV format?)")
+        slots = self._slots(block_ids)
+        raw, offset = torch.frombuffer(bytearray(data), dtype=torch.uint8), 0
+        for layer in self.kv_caches:
+            for t in self.block_tensors(layer):
+                rows = self.block_size * num_blocks
+                size = t.element_size() * int(t[0].numel()) * rows
+                chunk = raw[offset:offset + size].view(t.dtype).view(rows, *t.shape[1:])
+                t.index_copy_(0, slots, chunk[:len(slots)])
+                offset += size
+
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for layer in self.kv_caches:

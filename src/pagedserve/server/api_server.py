@@ -12,6 +12,7 @@ import uvicorn
 from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.server.admission import AdmissionConfig, AdmissionController, parse_degrade, parse_shed_after
+from pagedserve.server.kv_transfer import Disaggregation
 from pagedserve.server.lora_routes import parse_lora_modules, register_startup_adapters
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.openai_api import create_app
@@ -36,7 +37,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
     except ValueError as exc:
         raise SystemExit(f"--tool-call-parser: {exc}") from None
     state = ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder,
-                        admission=admission, tool_parser=parser)
+                        admission=admission, tool_parser=parser,
+                        disagg=Disaggregation(args.kv_role, args.kv_load_failure, args.kv_pull_timeout_s))
+    engine.engine.kv_transfer.lease_s = args.kv_lease_s
     try:
         register_startup_adapters(state, parse_lora_modules(args.lora_modules or []))
     except ValueError as exc:

@@ -25,6 +25,7 @@ from pagedserve.server.serving import (
     ServerState,
     final_outputs,
     merged,
+    prefill_handle,
     primed,
     sampling_params,
     sse,
@@ -66,7 +67,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(state, req, req.max_completion_tokens or req.max_tokens, top, guided)
     request_id = random_id("chatcmpl")
-    call = await start_streams(state, ctx, request_id, [prompt], params, "messages", lora)
+    call = await start_streams(state, ctx, request_id, [prompt], params, "messages", lora, req.kv_transfer_params,
+                               req.stream)
     parse = plan if plan is not None and plan.parses else None
     if req.stream:
         stream = await primed(merged(state, call))
@@ -74,7 +76,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     outputs = await final_outputs(state, call)
     choices = [_choice(state, c, top, parse) for c in outputs[0].outputs]
     return ChatCompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=usage(outputs),
-                                  degraded=ctx.degraded)
+                                  degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call))
 
 
 def _choice(state: ServerState, c: CompletionOutput, top: int | None, plan: ToolPlan | None) -> ChatChoice:

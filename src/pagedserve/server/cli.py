@@ -34,8 +34,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "model: NAME (needs --enable-lora)")
     p.add_argument("--disable-access-log", action="store_true", help="don't log one line per HTTP request")
     add_admission_args(p)
+    add_disaggregation_args(p)
     add_engine_args(p)
     p.set_defaults(func=_serve)
+
+
+def add_disaggregation_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("disaggregated prefill/decode", "the worker's role when a router splits "
+                                  "requests between prefill and decode workers (docs/cluster.md)")
+    g.add_argument("--kv-role", choices=["prefill", "decode", "both"], default="both",
+                   help="prefill: computes prompts for decode workers and leases their KV blocks; decode: pulls "
+                        "them and generates; both (default): either, and plain requests as always")
+    g.add_argument("--kv-load-failure", choices=["recompute", "fail"], default="recompute",
+                   help="a decode worker whose pull of a prompt's blocks fails or times out recomputes the "
+                        "prompt (default) or fails the request with a 502")
+    g.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="seconds a prefill worker keeps a prompt's blocks pinned for the decode worker's pull")
+    g.add_argument("--kv-pull-timeout-s", type=float, default=10.0,
+                   help="a decode worker's deadline for one pull (then --kv-load-failure applies)")
 
 
 def add_admission_args(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from pagedserve.server.serving import (
     ServerState,
     final_outputs,
     merged,
+    prefill_handle,
     primed,
     sampling_params,
     sse,
@@ -46,7 +47,8 @@ async def create_completion(state: ServerState, req: CompletionRequest,
         await compile_spec(state.engine, guided, param)
     params = sampling_params(state, req, req.max_tokens, req.logprobs, guided)
     request_id = random_id("cmpl")
-    call = await start_streams(state, ctx, request_id, prompts, params, lora=lora)
+    call = await start_streams(state, ctx, request_id, prompts, params, lora=lora, kv=req.kv_transfer_params,
+                               stream=req.stream)
     if req.stream:
         stream = await primed(merged(state, call))
         return EventStream(_stream(state, req, request_id, prompts, stream, ctx.degraded), call, ctx.headers)
@@ -61,7 +63,7 @@ async def create_completion(state: ServerState, req: CompletionRequest,
         for i, out in enumerate(outputs) for c in out.outputs
     ]
     return CompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=usage(outputs),
-                              degraded=ctx.degraded)
+                              degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call))
 
 
 async def _stream(state: ServerState, req: CompletionRequest, request_id: str, prompts: list,

@@ -49,6 +49,8 @@ class EngineStatsCollector(Collector):
                       s.prefix_cache_hit_tokens)
         yield counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", queried)
         yield counter("num_preemptions", "requests preempted (recomputed later)", s.num_preemptions)
+        yield gauge("kv_transfer_leases", "KV transfer leases held for decode workers (disaggregation)", s.kv_leases)
+        yield gauge("kv_transfer_leased_blocks", "KV blocks pinned by those leases", s.kv_leased_blocks)
         by_reason = CounterMetricFamily("pagedserve_preemptions_by_reason", "preemptions by reason: kv_pressure "
                                         "(blocks ran out) or priority (a more important request waited)",
                                         labels=[*names, "reason"])
@@ -113,6 +115,18 @@ class ServerMetrics:
                               labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "request latency, arrival to last token",
                              labels, buckets=E2E_BUCKETS, registry=self.registry)
+
+    def watch_transfers(self) -> None:
+        """KV transfers between prefill and decode workers: blocks and bytes each way, pull latency, failures."""
+        self.kv_blocks = Counter("pagedserve_kv_transfer_blocks", "KV blocks sent (out) or received (in)",
+                                 ["direction"], registry=self.registry)
+        self.kv_bytes = Counter("pagedserve_kv_transfer_bytes", "bytes of KV sent (out) or received (in)",
+                                ["direction"], registry=self.registry)
+        self.kv_seconds = Histogram("pagedserve_kv_transfer_seconds", "a decode worker's pull of one prompt's blocks",
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.kv_failures = Counter("pagedserve_kv_transfer_failures", "pulls that failed, by cause (the request "
+                                   "was then recomputed, or failed under --kv-load-failure fail)", ["cause"],
+                                   registry=self.registry)
 
     def watch_engine(self, get_stats: Callable[[], Any]) -> None:
         self.registry.register(EngineStatsCollector(get_stats, self.model_name))

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes over one AsyncLLM (plus an optional embedding model)."""
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ from pagedserve.server.chat import create_chat_completion, render_prompt
 from pagedserve.server.completions import create_completion
 from pagedserve.server.embeddings import create_embeddings
 from pagedserve.server.errors import APIError, install_error_handlers
+from pagedserve.server.kv_transfer import expire_leases, kv_routes
 from pagedserve.server.lora_routes import lora_routes
 from pagedserve.server.middleware import RequestGuard
 from pagedserve.server.protocol import (
@@ -52,7 +54,11 @@ def create_app(state: ServerState, api_key: str | None = None,
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if not state.engine.is_running:
             state.engine.start()
+        expiry = asyncio.get_running_loop().create_task(expire_leases(state))
         yield
+        expiry.cancel()
+        if state.disagg.client is not None:
+            await state.disagg.client.aclose()
         state.engine.shutdown()
 
     # strict_content_type=False: a body is read as JSON even when a client forgets the Content-Type.
@@ -62,9 +68,11 @@ def create_app(state: ServerState, api_key: str | None = None,
     state.metrics.watch_engine(lambda: state.engine.stats)
     state.metrics.describe_weights(state.engine.engine.weights_info)
     state.metrics.watch_admission(state.admission)
+    state.metrics.watch_transfers()
     auth = [] if api_key is None else [Depends(_auth_dependency(api_key))]
     app.include_router(_api_routes(state, auth))
     app.include_router(lora_routes(state), dependencies=auth, responses=ROUTE_ERRORS)
+    app.include_router(kv_routes(state), dependencies=auth, responses=ROUTE_ERRORS)
     app.include_router(_open_routes(state))
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes,
                        on_response=lambda path, status: state.metrics.record_request(

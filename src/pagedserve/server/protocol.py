@@ -91,6 +91,31 @@ class ResponseFormat(StrictModel):
         return self
 
 
+class KVTransferParams(StrictModel):
+    """Set by the router, not by clients: which half of a disaggregated request this is."""
+    do_remote_decode: bool = Field(False, description="prefill here, decode elsewhere: answer with a lease")
+    do_remote_prefill: bool = Field(False, description="the prompt was computed elsewhere: pull its KV first")
+    remote_url: Text | None = Field(None, description="the prefill worker's base URL")
+    lease_id: Text | None = Field(None, max_length=64)
+    num_blocks: int | None = Field(None, ge=0, le=1 << 20)
+    block_size: int | None = Field(None, ge=1, le=1 << 16)
+    kv_format: Text | None = Field(None, max_length=32)
+    tokens_sha: Text | None = Field(None, max_length=64)
+    expires_in_s: float | None = None
+
+    @model_validator(mode="after")
+    def _one_side(self):
+        if self.do_remote_decode == self.do_remote_prefill:
+            raise ValueError("kv_transfer_params: set exactly one of do_remote_decode and do_remote_prefill")
+        if self.do_remote_prefill and None in (self.remote_url, self.lease_id, self.num_blocks, self.block_size,
+                                               self.kv_format, self.tokens_sha):
+            raise ValueError("kv_transfer_params with do_remote_prefill needs remote_url, lease_id, num_blocks, "
+                             "block_size, kv_format and tokens_sha (the prefill worker's handle)")
+        if self.remote_url is not None and not self.remote_url.startswith(("http://", "https://")):
+            raise ValueError("kv_transfer_params.remote_url must be an http(s) URL")
+        return self
+
+
 class SamplingFields(StrictModel):
     """Sampling fields common to completions and chat, including vLLM's extras."""
 
@@ -126,6 +151,8 @@ class SamplingFields(StrictModel):
     timeout: float | None = Field(None, gt=0, description="pagedserve extra: seconds to the last token; past "
                                                           "it a 504, and a request that cannot make it is "
                                                           "refused at once; also the x-request-timeout header")
+    kv_transfer_params: KVTransferParams | None = Field(
+        None, description="pagedserve/vLLM extra for disaggregated prefill/decode (set by the router)")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -180,6 +207,7 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
     degraded: list[str] | None = Field(None, description="pagedserve extra: what was cut under load, e.g. "
                                                        "max_tokens=64 or n=1")
+    kv_transfer_params: dict | None = Field(None, description="the prefill half's lease on the prompt's KV blocks")
 
 
 # ---- chat ----
@@ -319,6 +347,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     degraded: list[str] | None = Field(None, description="pagedserve extra: what was cut under load, e.g. "
                                                        "max_tokens=64 or n=1")
+    kv_transfer_params: dict | None = Field(None, description="the prefill half's lease on the prompt's KV blocks")
 
 
 class DeltaMessage(BaseModel):
@@ -344,6 +373,7 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
     degraded: list[str] | None = Field(None, description="pagedserve extra: what was cut under load, e.g. "
                                                        "max_tokens=64 or n=1")
+    kv_transfer_params: dict | None = Field(None, description="the prefill half's lease on the prompt's KV blocks")
 
 
 # ---- embeddings ----

@@ -20,8 +20,9 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams
 from pagedserve.server.admission import AdmissionConfig, AdmissionController, Rejected, Ticket, parse_priority
 from pagedserve.server.errors import APIError
+from pagedserve.server.kv_transfer import Disaggregation, check_role, lease, pull
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
-from pagedserve.server.protocol import PromptTokensDetails, SamplingFields, Usage
+from pagedserve.server.protocol import KVTransferParams, PromptTokensDetails, SamplingFields, Usage
 from pagedserve.server.tool_parsers import HermesParser, ToolParser
 
 ENGINE_RETRY_AFTER_S = 5  # what a 503 for a dead engine tells clients; a supervisor restarts us meanwhile
@@ -36,6 +37,8 @@ class ServerState:
     admission: AdmissionController = field(default_factory=lambda: AdmissionController(AdmissionConfig()))
     tool_parser: ToolParser = field(default_factory=HermesParser)  # how this model family writes tool calls
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters served, by the name clients use
+    disagg: Disaggregation = field(default_factory=Disaggregation)  # --kv-role and the transfer's settings
+    background: set = field(default_factory=set)  # fire-and-forget tasks (lease acknowledgements)
 
     def response_model(self, requested: str | None) -> str:
         """The `model` a response names: the adapter asked for, else the base model."""
@@ -107,6 +110,8 @@ class Call:
     ticket: Ticket
     admission: AdmissionController
     deadline: float | None  # time.monotonic() by which the last token must be out
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    kv_transfer: KVTransferParams | None = None
 
     def close(self) -> None:
         """Aborts what is still running and returns the ticket (idempotent)."""
@@ -115,18 +120,31 @@ class Call:
 
 
 async def start_streams(state: ServerState, ctx: RequestContext, request_id: str, prompts: list[str | list[int]],
-                        params: SamplingParams, param: str = "prompt", lora: LoRARequest | None = None) -> Call:
+                        params: SamplingParams, param: str = "prompt", lora: LoRARequest | None = None,
+                        kv: KVTransferParams | None = None, stream: bool = False) -> Call:
     """Admits the call, then adds one engine request per prompt (all before the same step); any bad
-    prompt fails the whole call with a 400 and withdraws the others."""
+    prompt fails the whole call with a 400 and withdraws the others. kv: this is one half of a
+    disaggregated request (server/kv_transfer.py): the prefill half stops after the first token; the
+    decode half first pulls the prompt's KV blocks from the prefill worker."""
     if not state.engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_unavailable",
                        headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
     prompt_ids = [state.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    if kv is not None:
+        check_role(state, kv, len(prompt_ids), params.n, stream)
+        if kv.do_remote_decode:
+            params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=0)
     _check_size(state, prompt_ids, params, param)
     params = _degraded(state, ctx, params)
     ticket = _admit(state, ctx, prompt_ids, params)
     priority = ctx.priority if state.admission.config.enabled else 0
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    if kv is not None and kv.do_remote_prefill and lora is None:  # adapters' KV is not transferred: recomputed
+        try:
+            await pull(state, prompt_ids[0], kv)
+        except BaseException:
+            state.admission.finished(ticket)
+            raise
     try:
         added = await asyncio.gather(*(state.engine.add_request(rid, p, params, priority, lora)
                                        for rid, p in zip(ids, prompt_ids)), return_exceptions=True)
@@ -136,7 +154,7 @@ async def start_streams(state: ServerState, ctx: RequestContext, request_id: str
     streams = [s for s in added if isinstance(s, RequestStream)]
     errors = [e for e in added if isinstance(e, BaseException)]
     deadline = None if ctx.timeout is None else ticket.admitted_at + ctx.timeout
-    call = Call(streams, ticket, state.admission, deadline)
+    call = Call(streams, ticket, state.admission, deadline, prompt_ids, kv)
     if not errors:
         return call
     call.close()
@@ -286,6 +304,13 @@ async def final_outputs(state: ServerState, call: Call) -> list[RequestOutput]:
     async for i, out in merged(state, call):
         last[i] = out
     return [out for out in last if out is not None]
+
+
+async def prefill_handle(state: ServerState, call: Call) -> dict | None:
+    """The prefill half of a disaggregated request is done: its lease on the prompt's blocks."""
+    if call.kv_transfer is None or not call.kv_transfer.do_remote_decode:
+        return None
+    return await lease(state, call.prompt_ids[0])
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:

@@ -1,0 +1,79 @@
+"""Disaggregated prefill and decode, the router's side: with prefill replicas configured (`kv_role: prefill`),
+a completion or chat request goes first to a prefill replica (non-streamed, `kv_transfer_params:
+{do_remote_decode: true}`), which computes the prompt and answers with a lease on its KV blocks; the request
+then goes, with that handle, to a decode replica chosen as usual (policy, prefix affinity, residency), which
+pulls the blocks it lacks and streams the answer to the client (server/kv_transfer.py).
+
+A prefill replica that fails is retried on another; when none succeeds the request goes to the decode pool
+without a handle and is computed there whole: slower, never lost.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+
+import httpx
+
+from pagedserve.cluster.router import NoReplicaError, Router
+
+log = logging.getLogger(__name__)
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions"}
+
+
+async def prefill_first(router: Router, fwd):
+    """The Forward the decode pool gets: with the prefill replica's handle, or unchanged (recompute)."""
+    payload = json.loads(fwd.body)
+    if fwd.endpoint not in ENDPOINTS or "kv_transfer_params" in payload:
+        return fwd
+    body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+    body["kv_transfer_params"] = {"do_remote_decode": True}
+    timeout = httpx.Timeout(router.config.request_timeout_s, connect=router.config.connect_timeout_s)
+    headers = [(k, v) for k, v in fwd.headers if k.lower() != b"content-type"] + [(b"content-type", b"application/json")]
+    tried: list[str] = []
+    for _ in range(router.config.max_attempts):
+        try:
+            replica = router.select(fwd.req, residency=fwd.residency, client_region=fwd.client_region,
+                                    model=fwd.model, exclude=tried, prefill=True).replica
+        except NoReplicaError as exc:
+            log.warning("no prefill replica for a request (%s); the decode pool computes it whole", exc.reason)
+            break
+        tried.append(replica.name)
+        start = time.perf_counter()
+        replica.start_request(fwd.req.est_tokens)
+        try:
+            response = await router.health.client.post(replica.url + fwd.endpoint, json=body, headers=headers,
+                                                       timeout=timeout)
+        except httpx.HTTPError as exc:
+            result = type(exc).__name__
+            if isinstance(exc, httpx.ConnectError):
+                router.health.unreachable(replica, f"{result}: {exc}")
+            else:
+                router.health.suspect(replica, f"{result}: {exc}")
+        else:
+            handle = _handle(response)
+            if handle is not None:
+                router.metrics.prefills.labels(replica.name, "handed_off").inc()
+                router.metrics.prefill_seconds.observe(time.perf_counter() - start)
+                payload["kv_transfer_params"] = {"do_remote_prefill": True, "remote_url": replica.url, **handle}
+                return dataclasses.replace(fwd, body=json.dumps(payload).encode())
+            result = f"status_{response.status_code}"
+            if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+                router.metrics.prefills.labels(replica.name, result).inc()
+                return fwd  # the request's own fault: the decode replica gives the client the same answer
+        finally:
+            replica.finish_request(fwd.req.est_tokens)
+        router.metrics.prefills.labels(replica.name, result).inc()
+        log.warning("prefill on %s failed (%s); trying another", replica.name, result)
+    return fwd
+
+
+def _handle(response: httpx.Response) -> dict | None:
+    if response.status_code != 200:
+        return None
+    try:
+        handle = response.json().get("kv_transfer_params")
+    except ValueError:
+        return None
+    return handle if isinstance(handle, dict) and handle.get("lease_id") else None

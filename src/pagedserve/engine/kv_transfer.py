@@ -1,0 +1,104 @@
+"""KV blocks moved between workers (disaggregated prefill and decode), on the engine's side. Every method
+runs on the engine thread (AsyncLLM.call).
+
+The prefill worker, once a prompt is computed, leases its full blocks: they are pinned (neither evicted nor
+reused) until the decode worker has pulled them and acknowledged, or until the lease expires. The decode
+worker pulls only the blocks its own prefix cache lacks and registers them in that cache; its request then
+runs as any other whose prompt prefix is cached, so a transfer that failed or was evicted meanwhile only
+costs recomputation, never a wrong answer. Blocks are identified by the prompt's tokens, not by a hash one
+process computed: Python's hashes need not agree between processes.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+
+from pagedserve.engine.kv_cache import KVCacheManager
+from pagedserve.engine.model_runner import ModelRunner
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    block_ids: list[int]
+    tokens_sha: str  # of the token ids the blocks hold: the decode side checks it tokenized the same prompt
+    expires_at: float  # time.monotonic()
+
+    def public(self, block_size: int, kv_format: str, lease_s: float) -> dict:
+        return {"lease_id": self.lease_id, "num_blocks": len(self.block_ids), "block_size": block_size,
+                "kv_format": kv_format, "tokens_sha": self.tokens_sha, "expires_in_s": lease_s}
+
+
+def tokens_sha(token_ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:32]
+
+
+class KVTransfer:
+    def __init__(self, kv: KVCacheManager, runner: ModelRunner, lease_s: float = 30.0):
+        self.kv = kv
+        self.runner = runner
+        self.lease_s = lease_s
+        self.leases: dict[str, Lease] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def pinned_blocks(self) -> int:
+        return sum(len(lease.block_ids) for lease in self.leases.values())
+
+    def lease(self, token_ids: list[int]) -> Lease:
+        """Pins the cached full blocks of this prompt (those that survived until now)."""
+        self.expire()
+        blocks = self.kv.cached_prefix_blocks(token_ids)
+        self.kv.pin(blocks)
+        lease = Lease(uuid.uuid4().hex, blocks, tokens_sha(token_ids[:len(blocks) * self.block_size]),
+                      time.monotonic() + self.lease_s)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def export(self, lease_id: str, start: int, end: int | None = None) -> bytes:
+        lease = self.live(lease_id)
+        return self.runner.export_blocks(lease.block_ids[start:end])
+
+    def release(self, lease_id: str) -> bool:
+        """The pull is done (or abandoned): the blocks go back to the prefix cache, still reusable."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.kv.unpin(lease.block_ids)
+        return lease is not None
+
+    def expire(self) -> int:
+        now = time.monotonic()
+        gone = [lease_id for lease_id, lease in self.leases.items() if lease.expires_at <= now]
+        for lease_id in gone:
+            self.release(lease_id)
+        return len(gone)
+
+    def cached_blocks(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of this prompt the local prefix cache already holds."""
+        return len(self.kv.cached_prefix_blocks(token_ids))
+
+    def import_blocks(self, token_ids: list[int], start: int, data: bytes, count: int) -> int:
+        """Registers blocks start..start+count of the prompt as cached and writes their KV; returns how many
+        were placed (fewer when the pool is short: the rest is recomputed)."""
+        if len(data) != self.runner.export_size(count):
+            raise ValueError(f"KV data of {len(data)} bytes for {count} blocks; this worker expects "
+                             f"{self.runner.export_size(count)} (another model, block size or KV format?)")
+        if self.cached_blocks(token_ids) != start:  # the local cache changed since the pull began
+            return 0
+        block_ids = self.kv.insert_cached(token_ids, start, count)
+        self.runner.import_blocks(block_ids, data, count)
+        return len(block_ids)
+
+    def live(self, lease_id: str) -> Lease:
+        self.expire()
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise KeyError(f"no live KV lease {lease_id!r} (unknown, released or expired after "
+                           f"{self.lease_s:.0f} s)")
+        return lease
+

@@ -1,0 +1,184 @@
+"""Disaggregated prefill and decode, the worker's side (vLLM's `kv_transfer_params` vocabulary).
+
+- A prefill worker (`--kv-role prefill` or `both`) given `kv_transfer_params: {"do_remote_decode": true}`
+  computes the prompt and its first token only, leases the prompt's full KV blocks and answers with a handle
+  in `kv_transfer_params`: lease id, block count, block size, KV format and a digest of the tokens.
+- A decode worker (`decode` or `both`) given `kv_transfer_params: {"do_remote_prefill": true, "remote_url":
+  ..., <the handle>}` pulls the blocks its own prefix cache lacks from `GET {remote_url}/v1/kv/leases/{id}`,
+  registers them in that cache, acknowledges (`DELETE`, which frees the lease into the prefill worker's prefix
+  cache) and runs the request, which then finds its prompt cached. A pull that fails or times out is
+  recomputed here (`--kv-load-failure recompute`, the default) or fails the request with a 502 (`fail`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from pagedserve.engine.kv_transfer import tokens_sha
+from pagedserve.server.errors import APIError
+from pagedserve.server.protocol import KVTransferParams
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass
+class Disaggregation:
+    role: Literal["prefill", "decode", "both"] = "both"
+    load_failure: Literal["recompute", "fail"] = "recompute"
+    pull_timeout_s: float = 10.0
+    client: httpx.AsyncClient | None = field(default=None, repr=False)
+
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            self.client = httpx.AsyncClient(timeout=self.pull_timeout_s)
+        return self.client
+
+
+def check_role(state, kv: KVTransferParams, num_prompts: int, n: int, stream: bool) -> None:
+    role = state.disagg.role
+    if kv.do_remote_decode and role == "decode":
+        raise APIError(400, "this worker runs with --kv-role decode: it does not prefill for others",
+                       "kv_transfer_params", "kv_role_mismatch")
+    if kv.do_remote_prefill and role == "prefill":
+        raise APIError(400, "this worker runs with --kv-role prefill: it does not decode transferred prompts",
+                       "kv_transfer_params", "kv_role_mismatch")
+    if num_prompts != 1:
+        raise APIError(400, "a disaggregated request has exactly one prompt", "kv_transfer_params")
+    if kv.do_remote_decode and stream:
+        raise APIError(400, "the prefill half of a disaggregated request is not streamed", "stream")
+
+
+async def lease(state, prompt_ids: list[int]) -> dict:
+    """The prefill half is done: pin the prompt's blocks and describe them for the decode worker."""
+    engine = state.engine.engine
+    held = await state.engine.call(lambda: engine.kv_transfer.lease(prompt_ids))
+    return held.public(engine.kv.block_size, engine.kv_format.name, engine.kv_transfer.lease_s)
+
+
+async def pull(state, prompt_ids: list[int], kv: KVTransferParams) -> None:
+    """Brings the prompt's blocks over from the prefill worker (those not cached here already)."""
+    engine, metrics, start = state.engine.engine, state.metrics, time.perf_counter()
+    try:
+        await _pull(state, engine, prompt_ids, kv)
+    except TransferFailed as e:
+        metrics.kv_failures.labels(e.cause).inc()
+        log.warning("KV pull from %s failed (%s): %s; %s", kv.remote_url, e.cause, e,
+                    "recomputing" if state.disagg.load_failure == "recompute" else "failing the request")
+        _release(state, kv)
+        if state.disagg.load_failure == "fail":
+            raise APIError(502, f"KV transfer from the prefill worker failed ({e.cause}): {e}",
+                           code="kv_transfer_failed") from None
+    except asyncio.CancelledError:  # the client went away mid-transfer: free the lease now, not at expiry
+        _release(state, kv)
+        raise
+    finally:
+        metrics.kv_seconds.observe(time.perf_counter() - start)
+
+
+class TransferFailed(Exception):
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+async def _pull(state, engine, prompt_ids: list[int], kv: KVTransferParams) -> None:
+    if kv.block_size != engine.kv.block_size or kv.kv_format != engine.kv_format.name:
+        raise TransferFailed("mismatch", f"blocks of {kv.block_size} tokens in {kv.kv_format}; this worker has "
+                                         f"{engine.kv.block_size} in {engine.kv_format.name}")
+    covered = kv.num_blocks * kv.block_size
+    if covered > len(prompt_ids) or tokens_sha(prompt_ids[:covered]) != kv.tokens_sha:
+        raise TransferFailed("token_mismatch", "the handle's tokens differ from this worker's tokenization of "
+                                               "the prompt (another model or chat template?)")
+    have = await state.engine.call(lambda: engine.kv_transfer.cached_blocks(prompt_ids[:covered]))
+    if have < kv.num_blocks:
+        try:
+            response = await state.disagg.http().get(f"{kv.remote_url.rstrip('/')}/v1/kv/leases/{kv.lease_id}",
+                                                     params={"start": have})
+        except httpx.TimeoutException as e:
+            raise TransferFailed("timeout", repr(e)) from None
+        except httpx.HTTPError as e:
+            raise TransferFailed("unreachable", repr(e)) from None
+        if response.status_code == 404:
+            raise TransferFailed("lease_gone", response.text[:300])
+        if response.status_code != 200:
+            raise TransferFailed("http_error", f"{response.status_code}: {response.text[:300]}")
+        count = kv.num_blocks - have
+        try:
+            placed = await state.engine.call(
+                lambda: engine.kv_transfer.import_blocks(prompt_ids, have, response.content, count))
+        except ValueError as e:
+            raise TransferFailed("bad_payload", str(e)) from None
+        state.metrics.kv_blocks.labels("in").inc(placed)
+        state.metrics.kv_bytes.labels("in").inc(len(response.content))
+    _release(state, kv)
+
+
+def _release(state, kv: KVTransferParams) -> None:
+    """Acknowledges the lease in the background; if that fails, the lease expires on its own."""
+    async def release() -> None:
+        try:
+            await state.disagg.http().delete(f"{kv.remote_url.rstrip('/')}/v1/kv/leases/{kv.lease_id}")
+        except httpx.HTTPError:
+            pass
+    task = asyncio.get_running_loop().create_task(release())
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
+
+
+def kv_routes(state) -> APIRouter:
+    router = APIRouter()
+    engine = state.engine.engine
+
+    @router.get("/v1/kv/info")
+    async def info() -> dict:
+        """What a router checks before pairing workers: same model, block size and KV format."""
+        return {"kv_role": state.disagg.role, "model": state.model_name, "block_size": engine.kv.block_size,
+                "kv_format": engine.kv_format.name, "lease_s": engine.kv_transfer.lease_s}
+
+    @router.get("/v1/kv/leases/{lease_id}", response_class=Response,
+                responses={200: {"content": {"application/octet-stream": {}}, "description": "the blocks' KV"}})
+    async def export(lease_id: str, start: int = 0) -> Response:
+        if start < 0:
+            raise APIError(400, "start must be >= 0", "start")
+        try:
+            data, count = await state.engine.call(lambda: _export(engine, lease_id, start))
+        except KeyError as e:
+            raise APIError(404, e.args[0], code="kv_lease_not_found") from None
+        state.metrics.kv_blocks.labels("out").inc(count)
+        state.metrics.kv_bytes.labels("out").inc(len(data))
+        return Response(data, media_type="application/octet-stream",
+                        headers={"x-kv-blocks": str(count), "x-kv-format": engine.kv_format.name})
+
+    @router.delete("/v1/kv/leases/{lease_id}")
+    async def release(lease_id: str) -> dict:
+        released = await state.engine.call(lambda: engine.kv_transfer.release(lease_id))
+        if not released:
+            raise APIError(404, f"no live KV lease {lease_id!r}", code="kv_lease_not_found")
+        return {"lease_id": lease_id, "released": True}
+
+    return router
+
+
+def _export(engine, lease_id: str, start: int) -> tuple[bytes, int]:
+    lease = engine.kv_transfer.live(lease_id)
+    count = max(len(lease.block_ids) - start, 0)
+    return engine.kv_transfer.export(lease_id, start), count
+
+
+async def expire_leases(state, every_s: float = 1.0) -> None:
+    """Frees the blocks of leases no decode worker came for."""
+    engine = state.engine.engine
+    while True:
+        await asyncio.sleep(every_s)
+        if engine.kv_transfer.leases and state.engine.is_running:
+            expired = await state.engine.call(engine.kv_transfer.expire)
+            if expired:
+                log.warning("%d KV lease(s) expired unclaimed; their blocks are free again", expired)

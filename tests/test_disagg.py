@@ -1,0 +1,164 @@
+"""Disaggregated prefill and decode with real processes: a prefill worker, decode workers and a router, against
+a single `pagedserve serve` as the reference (fp32 greedy: token-identical). Failures (forged, expired or
+unreachable handles, mismatched workers, a dead prefill worker) end in a recomputed answer or a clear error,
+and the block counts on both sides return to their baseline."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+import pytest
+from gateway_support import pagedserve_server, start_all
+from router_support import RouterProcess, metric_sum, wait_for
+
+from pagedserve.cluster.launcher import free_port
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Write a short story about a robot who learns to paint, with a twist at the end. " * 2,
+           "The three laws of robotics are, in the words of the stories that made them famous,",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, iteratively and with a docstring.\"\"\"\n"]
+CHAT = [{"role": "user", "content": "Explain how a paged KV cache works, in detail, for a new engineer joining."}]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("disagg")
+    reference, ref_url = pagedserve_server("reference", tmp)
+    prefill, prefill_url = pagedserve_server("prefill", tmp, ["--kv-role", "prefill", "--kv-lease-s", "4"])
+    decode, decode_url = pagedserve_server("decode", tmp, ["--kv-role", "decode"])
+    strict, strict_url = pagedserve_server("decode-strict", tmp, ["--kv-role", "decode", "--kv-load-failure", "fail",
+                                                                   "--block-size", "32"])
+    with contextlib.ExitStack() as stack:
+        start_all(stack, reference, prefill, decode, strict)
+        model = httpx.get(ref_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        router = stack.enter_context(RouterProcess(tmp, replicas=[
+            {"url": prefill_url, "name": "prefill-0", "kv_role": "prefill"},
+            {"url": decode_url, "name": "decode-0", "kv_role": "decode"}]))
+        router.wait_healthy(["prefill-0", "decode-0"], timeout=60)
+        yield {"reference": ref_url, "prefill": prefill_url, "decode": decode_url, "strict": strict_url,
+               "router": router, "model": model, "prefill_process": prefill}
+
+
+def complete(url: str, prompt: str, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, **extra}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def texts(body: dict) -> list[str]:
+    return [c["text"] for c in body["choices"]]
+
+
+def blocks_in(url: str) -> float:
+    return metric_sum(url, "pagedserve_kv_transfer_blocks_total", direction="in")
+
+
+def failures(url: str, cause: str) -> float:
+    return metric_sum(url, "pagedserve_kv_transfer_failures_total", cause=cause)
+
+
+def idle(url: str) -> bool:
+    """No block held by a request or a lease (cached blocks are free)."""
+    return (metric_sum(url, "pagedserve_kv_blocks_used") == 0
+            and metric_sum(url, "pagedserve_kv_transfer_leased_blocks") == 0)
+
+
+def test_greedy_output_through_prefill_and_decode_workers_matches_one_server(workers):
+    router = workers["router"]
+    for prompt in PROMPTS:
+        expected = complete(workers["reference"], prompt, n=2)
+        before = blocks_in(workers["decode"])
+        got = complete(router.url, prompt, n=2)
+        assert texts(got) == texts(expected), prompt
+        assert blocks_in(workers["decode"]) > before  # the decode worker pulled this prompt's blocks
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert router.metric("pagedserve_router_prefills_total", result="handed_off") == len(PROMPTS)
+
+    # Streamed chat: the same tokens as the reference's non-streamed answer.
+    body = {"messages": CHAT, "max_tokens": 24, "temperature": 0}
+    expected = httpx.post(workers["reference"] + "/v1/chat/completions", json=body, timeout=300).json()
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert streamed == expected["choices"][0]["message"]["content"]
+
+    # Again: the decode worker's own prefix cache holds the prompt now, so nothing is pulled.
+    before = blocks_in(workers["decode"])
+    assert texts(complete(router.url, PROMPTS[0], n=2)) == texts(complete(workers["reference"], PROMPTS[0], n=2))
+    assert blocks_in(workers["decode"]) == before
+    wait_for(lambda: idle(workers["decode"]) and idle(workers["prefill"]), 15, "both workers to hold no block")
+
+
+def handle(workers, prompt: str) -> dict:
+    body = complete(workers["prefill"], prompt, kv_transfer_params={"do_remote_decode": True})
+    assert body["usage"]["completion_tokens"] == 1  # the prefill half stops after the first token
+    return {"do_remote_prefill": True, "remote_url": workers["prefill"], **body["kv_transfer_params"]}
+
+
+def test_failed_pulls_are_recomputed_or_refused_and_leave_no_block_held(workers):
+    decode = workers["decode"]
+    spoil = {"lease_gone": {"lease_id": "forged"}, "token_mismatch": {"tokens_sha": "0" * 32},
+             "unreachable": {"remote_url": f"http://127.0.0.1:{free_port()}"}}
+    for cause, change in spoil.items():  # a prompt of its own each: a recomputed one is cached here after
+        prompt = f"Case {cause}: {PROMPTS[1]}"
+        params = {**handle(workers, prompt), **change}
+        before = failures(decode, cause)
+        assert texts(complete(decode, prompt, kv_transfer_params=params)) == texts(
+            complete(workers["reference"], prompt)), cause
+        assert failures(decode, cause) == before + 1, cause
+    prompt = "Once more, and differently: " + PROMPTS[1]
+    expected = texts(complete(workers["reference"], prompt))
+    good = handle(workers, prompt)
+    # The same handle on a worker that must not recompute (and has other blocks): a clear 502.
+    refused = httpx.post(workers["strict"] + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 4, "kv_transfer_params": handle(workers, prompt)})
+    assert refused.status_code == 502 and refused.json()["error"]["code"] == "kv_transfer_failed"
+    assert "32" in refused.json()["error"]["message"]  # says what does not match
+    # Roles and malformed handles.
+    for url, params, code in ((decode, {"do_remote_decode": True}, "kv_role_mismatch"),
+                              (workers["prefill"], good, "kv_role_mismatch"),
+                              (decode, {"do_remote_prefill": True}, None),
+                              (decode, {"do_remote_prefill": True, "do_remote_decode": True}, None)):
+        response = httpx.post(url + "/v1/completions", json={"prompt": prompt, "kv_transfer_params": params},
+                              timeout=60)
+        assert response.status_code == 400 and (code is None or response.json()["error"]["code"] == code), params
+    # The good handle still works after all that, and its lease is then released.
+    assert texts(complete(decode, prompt, kv_transfer_params=good)) == expected
+    wait_for(lambda: idle(decode) and idle(workers["prefill"]) and idle(workers["strict"]), 15, "no block held")
+
+
+def test_an_unclaimed_lease_expires_and_its_blocks_are_freed(workers):
+    prefill = workers["prefill"]
+    params = handle(workers, "# a fresh prompt\n" + PROMPTS[2])
+    assert metric_sum(prefill, "pagedserve_kv_transfer_leased_blocks") >= 1
+    wait_for(lambda: idle(prefill), 15, "the 4 s lease to expire")
+    late = httpx.get(f"{prefill}/v1/kv/leases/{params['lease_id']}", timeout=10)
+    assert late.status_code == 404 and late.json()["error"]["code"] == "kv_lease_not_found"
+    info = httpx.get(prefill + "/v1/kv/info", timeout=10).json()
+    assert info["kv_role"] == "prefill" and info["block_size"] == 16 and info["kv_format"] == "float32"
+
+
+def test_a_decode_worker_whose_blocks_cannot_move_is_refused_at_registration(workers, tmp_path):
+    replicas = [{"url": workers["prefill"], "name": "prefill-0", "kv_role": "prefill"},
+                {"url": workers["strict"], "name": "decode-32", "kv_role": "decode"},
+                {"url": workers["reference"], "name": "says-both", "kv_role": "prefill"}]
+    with RouterProcess(tmp_path, replicas=replicas, health_interval_s=0.5) as router:
+        router.wait_healthy(["prefill-0", "says-both"], timeout=30)
+        states = {r["name"]: r for r in httpx.get(router.url + "/health", timeout=5).json()["replicas"]}
+        assert not states["decode-32"]["healthy"] and "32-token blocks" in states["decode-32"]["reason"]
+        response = httpx.post(router.url + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4}, timeout=60)
+        assert response.status_code == 503  # no decode replica it could hand the blocks to
+
+
+def test_a_dead_prefill_worker_costs_recomputation_not_the_request(workers):
+    router = workers["router"]
+    workers["prefill_process"].process.kill()
+    workers["prefill_process"].process.wait(10)
+    prompt = PROMPTS[0] + " The robot's name was Ada."
+    assert texts(complete(router.url, prompt)) == texts(complete(workers["reference"], prompt))
+    assert router.metric("pagedserve_router_prefills_total", replica="prefill-0", result="ConnectError") >= 1 \
+        or router.replica_states()["prefill-0"] is False
+    wait_for(lambda: idle(workers["decode"]), 15, "the decode worker to hold no block")
