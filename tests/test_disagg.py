@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "Explain how a paged KV cache works, in deta
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disagg")
-    reference, ref_url = pagedserve_server("reference", tmp)
+    reference, ref_url = pagedserve_server("reference", tmp, ["--kv-transport", "tcp"])  # also decodes, over TCP
     prefill, prefill_url = pagedserve_server("prefill", tmp, ["--kv-role", "prefill", "--kv-lease-s", "4"])
     decode, decode_url = pagedserve_server("decode", tmp, ["--kv-role", "decode"])
     strict, strict_url = pagedserve_server("decode-strict", tmp, ["--kv-role", "decode", "--kv-load-failure", "fail",
@@ -89,6 +89,14 @@ def test_greedy_output_through_prefill_and_decode_workers_matches_one_server(wor
     before = blocks_in(workers["decode"])
     assert texts(complete(router.url, PROMPTS[0], n=2)) == texts(complete(workers["reference"], PROMPTS[0], n=2))
     assert blocks_in(workers["decode"]) == before
+    # Workers on one host hand blocks over through shared memory; the reference server (--kv-transport tcp)
+    # pulls the same kind of handle over TCP.
+    assert metric_sum(workers["decode"], "pagedserve_kv_transfer_blocks_total", direction="in", transport="shm") > 0
+    prompt = "Over TCP this time: " + PROMPTS[0]
+    expected = texts(complete(workers["decode"], prompt))  # a plain request: computed there, cached there only
+    assert texts(complete(workers["reference"], prompt, kv_transfer_params=handle(workers, prompt))) == expected
+    assert metric_sum(workers["reference"], "pagedserve_kv_transfer_blocks_total", direction="in",
+                      transport="tcp") > 0
     wait_for(lambda: idle(workers["decode"]) and idle(workers["prefill"]), 15, "both workers to hold no block")
 
 
@@ -154,9 +162,15 @@ def test_a_decode_worker_whose_blocks_cannot_move_is_refused_at_registration(wor
 
 
 def test_a_dead_prefill_worker_costs_recomputation_not_the_request(workers):
-    router = workers["router"]
+    router, decode = workers["router"], workers["decode"]
+    orphan_prompt = "After the handoff: " + PROMPTS[2]
+    orphan = handle(workers, orphan_prompt)  # handed off, then the prefill worker dies before the pull
     workers["prefill_process"].process.kill()
     workers["prefill_process"].process.wait(10)
+    before = failures(decode, "unreachable")
+    assert texts(complete(decode, orphan_prompt, kv_transfer_params=orphan)) == texts(
+        complete(workers["reference"], orphan_prompt))
+    assert failures(decode, "unreachable") == before + 1
     prompt = PROMPTS[0] + " The robot's name was Ada."
     assert texts(complete(router.url, prompt)) == texts(complete(workers["reference"], prompt))
     assert router.metric("pagedserve_router_prefills_total", replica="prefill-0", result="ConnectError") >= 1 \

@@ -130,9 +130,13 @@ class ModelRunner:
     def export_blocks(self, block_ids: list[int]) -> bytes:
         """The blocks' KV as stored (quantized blocks at their quantized size), layer by layer."""
         slots = self._slots(block_ids)
-        parts = [t.index_select(0, slots).contiguous().view(torch.uint8).flatten()
-                 for layer in self.kv_caches for t in self.block_tensors(layer)]
-        return torch.cat(parts).numpy().tobytes() if parts else b""
+        out, offset = torch.empty(self.export_size(len(block_ids)), dtype=torch.uint8), 0
+        for layer in self.kv_caches:
+            for t in self.block_tensors(layer):  # gathered straight into the payload: no concatenation pass
+                size = t.element_size() * int(t[0].numel()) * len(slots)
+                torch.index_select(t, 0, slots, out=out[offset:offset + size].view(t.dtype).view(len(slots), *t.shape[1:]))
+                offset += size
+        return out.numpy().tobytes()
 
     def export_size(self, num_blocks: int) -> int:
         return sum(t.element_size() * int(t[0].numel()) * self.block_size * num_blocks

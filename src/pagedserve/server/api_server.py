@@ -38,7 +38,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         raise SystemExit(f"--tool-call-parser: {exc}") from None
     state = ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder,
                         admission=admission, tool_parser=parser,
-                        disagg=Disaggregation(args.kv_role, args.kv_load_failure, args.kv_pull_timeout_s))
+                        disagg=Disaggregation(args.kv_role, args.kv_load_failure, args.kv_pull_timeout_s,
+                                              args.kv_transport))
     engine.engine.kv_transfer.lease_s = args.kv_lease_s
     try:
         register_startup_adapters(state, parse_lora_modules(args.lora_modules or []))

@@ -19,9 +19,10 @@ from typing import Literal
 
 import httpx
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from pagedserve.engine.kv_transfer import tokens_sha
+from pagedserve.server import kv_shm
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import KVTransferParams
 
@@ -34,7 +35,9 @@ class Disaggregation:
     role: Literal["prefill", "decode", "both"] = "both"
     load_failure: Literal["recompute", "fail"] = "recompute"
     pull_timeout_s: float = 10.0
+    transport: Literal["auto", "tcp", "shm"] = "auto"  # auto: shared memory with a worker on this host
     client: httpx.AsyncClient | None = field(default=None, repr=False)
+    segments: dict[str, list[str]] = field(default_factory=dict)  # lease id -> shared-memory segments written
 
     def http(self) -> httpx.AsyncClient:
         if self.client is None:
@@ -99,26 +102,43 @@ async def _pull(state, engine, prompt_ids: list[int], kv: KVTransferParams) -> N
                                                "the prompt (another model or chat template?)")
     have = await state.engine.call(lambda: engine.kv_transfer.cached_blocks(prompt_ids[:covered]))
     if have < kv.num_blocks:
-        try:
-            response = await state.disagg.http().get(f"{kv.remote_url.rstrip('/')}/v1/kv/leases/{kv.lease_id}",
-                                                     params={"start": have})
-        except httpx.TimeoutException as e:
-            raise TransferFailed("timeout", repr(e)) from None
-        except httpx.HTTPError as e:
-            raise TransferFailed("unreachable", repr(e)) from None
-        if response.status_code == 404:
-            raise TransferFailed("lease_gone", response.text[:300])
-        if response.status_code != 200:
-            raise TransferFailed("http_error", f"{response.status_code}: {response.text[:300]}")
+        transport, data = await _fetch(state, kv, have)
         count = kv.num_blocks - have
         try:
-            placed = await state.engine.call(
-                lambda: engine.kv_transfer.import_blocks(prompt_ids, have, response.content, count))
+            placed = await state.engine.call(lambda: engine.kv_transfer.import_blocks(prompt_ids, have, data, count))
         except ValueError as e:
             raise TransferFailed("bad_payload", str(e)) from None
-        state.metrics.kv_blocks.labels("in").inc(placed)
-        state.metrics.kv_bytes.labels("in").inc(len(response.content))
+        state.metrics.kv_blocks.labels("in", transport).inc(placed)
+        state.metrics.kv_bytes.labels("in", transport).inc(len(data))
     _release(state, kv)
+
+
+async def _fetch(state, kv: KVTransferParams, start: int) -> tuple[str, bytes]:
+    """(transport, the blocks from `start` on): through shared memory from a worker on this host, else TCP."""
+    url = f"{kv.remote_url.rstrip('/')}/v1/kv/leases/{kv.lease_id}"
+    shm = state.disagg.transport == "shm" or (state.disagg.transport == "auto" and kv_shm.same_host(kv.remote_url))
+    response = await _get(state, url, {"start": start, "via": "shm"} if shm else {"start": start})
+    if not shm:
+        return "tcp", response.content
+    segment = response.json()
+    try:
+        return "shm", await asyncio.to_thread(kv_shm.take, segment["name"], segment["bytes"])
+    except FileNotFoundError:  # the same name, another machine after all: the lease is still there
+        return "tcp", (await _get(state, url, {"start": start})).content
+
+
+async def _get(state, url: str, params: dict) -> httpx.Response:
+    try:
+        response = await state.disagg.http().get(url, params=params)
+    except httpx.TimeoutException as e:
+        raise TransferFailed("timeout", repr(e)) from None
+    except httpx.HTTPError as e:
+        raise TransferFailed("unreachable", repr(e)) from None
+    if response.status_code == 404:
+        raise TransferFailed("lease_gone", response.text[:300])
+    if response.status_code != 200:
+        raise TransferFailed("http_error", f"{response.status_code}: {response.text[:300]}")
+    return response
 
 
 def _release(state, kv: KVTransferParams) -> None:
@@ -145,21 +165,28 @@ def kv_routes(state) -> APIRouter:
 
     @router.get("/v1/kv/leases/{lease_id}", response_class=Response,
                 responses={200: {"content": {"application/octet-stream": {}}, "description": "the blocks' KV"}})
-    async def export(lease_id: str, start: int = 0) -> Response:
+    async def export(lease_id: str, start: int = 0, via: Literal["tcp", "shm"] = "tcp") -> Response:
+        """The lease's blocks from `start` on, in the body (tcp) or in a shared-memory segment named in a JSON
+        body (shm; for a decode worker on this host, which unlinks it)."""
         if start < 0:
             raise APIError(400, "start must be >= 0", "start")
         try:
             data, count = await state.engine.call(lambda: _export(engine, lease_id, start))
         except KeyError as e:
             raise APIError(404, e.args[0], code="kv_lease_not_found") from None
-        state.metrics.kv_blocks.labels("out").inc(count)
-        state.metrics.kv_bytes.labels("out").inc(len(data))
-        return Response(data, media_type="application/octet-stream",
-                        headers={"x-kv-blocks": str(count), "x-kv-format": engine.kv_format.name})
+        state.metrics.kv_blocks.labels("out", via).inc(count)
+        state.metrics.kv_bytes.labels("out", via).inc(len(data))
+        headers = {"x-kv-blocks": str(count), "x-kv-format": engine.kv_format.name}
+        if via == "shm":
+            name = await asyncio.to_thread(kv_shm.write, data)
+            state.disagg.segments.setdefault(lease_id, []).append(name)
+            return JSONResponse({"name": name, "bytes": len(data)}, headers=headers)
+        return Response(data, media_type="application/octet-stream", headers=headers)
 
     @router.delete("/v1/kv/leases/{lease_id}")
     async def release(lease_id: str) -> dict:
         released = await state.engine.call(lambda: engine.kv_transfer.release(lease_id))
+        _discard_segments(state, lease_id)
         if not released:
             raise APIError(404, f"no live KV lease {lease_id!r}", code="kv_lease_not_found")
         return {"lease_id": lease_id, "released": True}
@@ -182,3 +209,11 @@ async def expire_leases(state, every_s: float = 1.0) -> None:
             expired = await state.engine.call(engine.kv_transfer.expire)
             if expired:
                 log.warning("%d KV lease(s) expired unclaimed; their blocks are free again", expired)
+        for lease_id in [i for i in state.disagg.segments if i not in engine.kv_transfer.leases]:
+            _discard_segments(state, lease_id)
+
+
+def _discard_segments(state, lease_id: str) -> None:
+    """Segments of a lease that is over: those its decode worker took are gone already."""
+    for name in state.disagg.segments.pop(lease_id, []):
+        kv_shm.discard(name)

@@ -1,0 +1,51 @@
+"""KV blocks handed over through shared memory when the prefill and decode workers share a host: the prefill
+worker writes a lease's blocks into a named segment (/dev/shm) and answers with its name; the decode worker
+copies them out and unlinks it. About one memory copy each way instead of a loopback socket's several. A
+segment the decode worker never took is unlinked with its lease (released or expired)."""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+from multiprocessing import resource_tracker, shared_memory
+from urllib.parse import urlsplit
+
+
+def write(data: bytes) -> str:
+    segment = shared_memory.SharedMemory(create=True, size=max(len(data), 1))
+    segment.buf[:len(data)] = data
+    # The reader unlinks it: keep this process's resource tracker from unlinking (and warning) at exit.
+    resource_tracker.unregister(segment._name, "shared_memory")
+    segment.close()
+    return segment.name
+
+
+def take(name: str, size: int) -> bytes:
+    """The segment's first size bytes; the segment is gone afterwards. FileNotFoundError: not on this host."""
+    segment = shared_memory.SharedMemory(name=name)
+    try:
+        return bytes(segment.buf[:size])
+    finally:
+        segment.close()
+        with contextlib.suppress(FileNotFoundError):
+            segment.unlink()  # also unregisters it from this process's tracker
+
+
+def discard(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        segment = shared_memory.SharedMemory(name=name)
+        segment.close()
+        segment.unlink()
+
+
+def same_host(url: str) -> bool:
+    """Whether the worker at url runs on this machine (a loopback address or one of this host's names)."""
+    host = urlsplit(url).hostname or ""
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    if host == "localhost":
+        return True
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(host) == socket.gethostbyname(socket.gethostname())
+    return False
