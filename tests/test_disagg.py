@@ -33,7 +33,7 @@ def workers(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         start_all(stack, reference, prefill, decode, strict)
         model = httpx.get(ref_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        router = stack.enter_context(RouterProcess(tmp, replicas=[
+        router = stack.enter_context(RouterProcess(tmp, disagg_min_prompt_tokens=0, replicas=[
             {"url": prefill_url, "name": "prefill-0", "kv_role": "prefill"},
             {"url": decode_url, "name": "decode-0", "kv_role": "decode"}]))
         router.wait_healthy(["prefill-0", "decode-0"], timeout=60)
@@ -147,6 +147,17 @@ def test_an_unclaimed_lease_expires_and_its_blocks_are_freed(workers):
     assert late.status_code == 404 and late.json()["error"]["code"] == "kv_lease_not_found"
     info = httpx.get(prefill + "/v1/kv/info", timeout=10).json()
     assert info["kv_role"] == "prefill" and info["block_size"] == 16 and info["kv_format"] == "float32"
+
+
+def test_short_prompts_skip_the_prefill_pool_by_default(workers, tmp_path):
+    replicas = [{"url": workers["prefill"], "name": "prefill-0", "kv_role": "prefill"},
+                {"url": workers["decode"], "name": "decode-0", "kv_role": "decode"}]
+    with RouterProcess(tmp_path, replicas=replicas) as router:  # disagg_min_prompt_tokens: 256
+        router.wait_healthy(["prefill-0", "decode-0"], timeout=30)
+        short, long = "Short and to the point: " + PROMPTS[1], "A long one. " + PROMPTS[0] * 8
+        for prompt in (short, long):
+            assert texts(complete(router.url, prompt)) == texts(complete(workers["reference"], prompt))
+        assert router.metric("pagedserve_router_prefills_total", result="handed_off") == 1  # the long one only
 
 
 def test_a_decode_worker_whose_blocks_cannot_move_is_refused_at_registration(workers, tmp_path):

@@ -60,7 +60,8 @@ def routing_request(endpoint: str, payload: dict, session: str | None) -> Routin
     samples = _count(payload.get("n"), 1) or 1
     session = session or payload.get("user")
     return RoutingRequest(prefix_key=key, session=str(session) if session else None,
-                          est_tokens=prompt_tokens + min(max_tokens * samples, MAX_TOKENS_ESTIMATE))
+                          est_tokens=prompt_tokens + min(max_tokens * samples, MAX_TOKENS_ESTIMATE),
+                          prompt_tokens=prompt_tokens)
 
 
 def _count(value, default: int) -> int:

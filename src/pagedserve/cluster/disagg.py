@@ -5,7 +5,8 @@ then goes, with that handle, to a decode replica chosen as usual (policy, prefix
 pulls the blocks it lacks and streams the answer to the client (server/kv_transfer.py).
 
 A prefill replica that fails is retried on another; when none succeeds the request goes to the decode pool
-without a handle and is computed there whole: slower, never lost.
+without a handle and is computed there whole: slower, never lost. Prompts shorter than
+`disagg_min_prompt_tokens` (default 256) go straight to the decode pool.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ ENDPOINTS = {"/v1/completions", "/v1/chat/completions"}
 async def prefill_first(router: Router, fwd):
     """The Forward the decode pool gets: with the prefill replica's handle, or unchanged (recompute)."""
     payload = json.loads(fwd.body)
-    if fwd.endpoint not in ENDPOINTS or "kv_transfer_params" in payload:
+    if (fwd.endpoint not in ENDPOINTS or "kv_transfer_params" in payload
+            or fwd.req.prompt_tokens < router.config.disagg_min_prompt_tokens):
         return fwd
     body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
     body["kv_transfer_params"] = {"do_remote_decode": True}

@@ -19,6 +19,7 @@ class RoutingRequest:
     prefix_key: Sequence = ""  # prompt text, or a tuple of token ids
     session: str | None = None  # session / user id for session affinity
     est_tokens: int = 1  # prompt + max output tokens, a load estimate
+    prompt_tokens: int = 0  # the prompt's part of it
 
 
 @dataclass(slots=True)
