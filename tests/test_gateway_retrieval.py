@@ -208,8 +208,8 @@ def test_context_goes_into_the_request_and_the_sources_header_is_ascii():
     header = sources_header([{"document": "hr/leave/germany.md", "heading": "Elternzeit > Dauer (Monate)"},
                              {"document": "b.md", "heading": "Gr\u00fc\u00dfe, \u00e0 bient\u00f4t"}])
     assert header.isascii() and header.startswith("hr/leave/germany.md#Elternzeit%20%3E%20Dauer%20%28Monate%29, ")
-    for bad in ({"source": "x", "k": 0}, {"source": "x", "template": "{nope}"}, {"source": "x", "k": 3,
-                                                                                  "candidates": 2}):
+    for bad in ({"source": "x", "k": 0}, {"source": "x", "template": "{nope}"}, {"source": "x", "k": 3, "candidates": 2},
+                {"source": "x", "chunk_template": "{text.nope}"}, {"k": 3}):
         with pytest.raises(ValueError, match="retrieval"):
             GatewayConfig.from_dict({"providers": {"p": {"base_url": "http://x", "models": {"m": "m"}}},
                                      "routes": {"r": {"small": ["p/m"], "retrieval": bad}}})

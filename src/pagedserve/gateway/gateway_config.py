@@ -101,7 +101,7 @@ class RetrievalConfig:
         try:
             self.template.format(source="", chunks="")
             self.chunk_template.format(n=1, document="", heading="", text="")
-        except (KeyError, IndexError, ValueError) as e:
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
             raise ValueError(f"route {route!r}: retrieval templates may use {{source}} {{chunks}} and "
                              f"{{n}} {{document}} {{heading}} {{text}} only ({e!r})") from None
 
