@@ -266,8 +266,8 @@ def render(args, transfer: list[dict], rows, figure: Path | None) -> str:
 
 
 NOTES = ("- Where the time goes, by construction of this setup: the disaggregated pair has one core for every "
-         "prefill where the co-located pair has two, and every request (chats included) passes the prefill worker "
-         "first, so chats queue behind long prompts there; the decode worker imports each long prompt's blocks "
+         "prefill of a long prompt where the co-located pair has two (chats' short prompts skip the prefill pool, "
+         "disagg_min_prompt_tokens 256, and are computed on the decode worker); the decode worker imports each long prompt's blocks "
          "on its step thread (the pull column), a pause for the chats it is decoding. The co-located replicas "
          "already bound a long prompt's interference with chunked prefill (token-budgeted steps), so their "
          "chats' ITL has little to win back. TTFT of 2-4k-token prompts on one core is several seconds either "
