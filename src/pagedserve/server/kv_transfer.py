@@ -45,7 +45,7 @@ class Disaggregation:
         return self.client
 
 
-def check_role(state, kv: KVTransferParams, num_prompts: int, n: int, stream: bool) -> None:
+def check_role(state, kv: KVTransferParams, num_prompts: int, stream: bool) -> None:
     role = state.disagg.role
     if kv.do_remote_decode and role == "decode":
         raise APIError(400, "this worker runs with --kv-role decode: it does not prefill for others",

@@ -131,7 +131,7 @@ async def start_streams(state: ServerState, ctx: RequestContext, request_id: str
                        headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
     prompt_ids = [state.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     if kv is not None:
-        check_role(state, kv, len(prompt_ids), params.n, stream)
+        check_role(state, kv, len(prompt_ids), stream)
         if kv.do_remote_decode:
             params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=0)
     _check_size(state, prompt_ids, params, param)
