@@ -4,8 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.model.loader import default_model_path
-
 # Eight prompts of quite different lengths; the chat ones share the template's system prompt.
 QUESTIONS = [
     "Hi!",
@@ -35,11 +33,9 @@ def reference_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_model():
-    from transformers import AutoModelForCausalLM
+    from pagedserve.bench.hf_peer import load
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    return load("float32")
 
 
 def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:

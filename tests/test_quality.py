@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.model.loader import default_model_path
+from pagedserve.bench.hf_peer import load
 
 SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
 
@@ -63,11 +63,8 @@ def test_prompt_logprobs_match_transformers_fp32(engine_args, windows, reference
 
 
 def test_bf16_quality_bound(windows, reference):
-    from transformers import AutoModelForCausalLM
-
     ours, top1 = scored(LLM(dtype="bfloat16", kv_cache_memory="64MiB"), windows)
-    path = default_model_path()
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
+    hf_bf16 = load("bfloat16")
     _, hf_top1 = hf_scored(hf_bf16, windows)
     # Measured: 97.9% against transformers fp32, 97.0% against its bf16 (which agrees 97.2% with its own fp32).
     assert agreement(top1, reference[1]) >= 0.95

@@ -4,8 +4,9 @@ Usage: python benchmarks/peers/export_hf_folder.py [OUT_DIR]  (default: build/pe
 import sys
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from pagedserve.bench.hf_peer import load
 from pagedserve.bench.servers import default_gguf
 
 
@@ -13,7 +14,7 @@ def export(out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     gguf = default_gguf()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = load("float32", gguf)
     # transformers dequantizes GGUF weights at load time; drop the marker that forbids saving them.
     model.hf_quantizer = None
     model.config.quantization_config = None

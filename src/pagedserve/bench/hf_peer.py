@@ -4,20 +4,30 @@ batching (`generate_batch` manager), and batch-1 decoding. Every run returns the
 the benchmark can check what it timed (ignore_eos held, counts, agreement with pagedserve)."""
 from __future__ import annotations
 
+import inspect
 import time
+from pathlib import Path
 
 from pagedserve.bench.measure import Job, Run, log
 
 
-def load(dtype_name: str):
+def load(dtype_name: str, path: Path | None = None):
+    """transformers' model of a GGUF (default: the packaged SmolLM2) with its weights dequantized into dense
+    tensors of dtype_name. Since transformers 5.2x a GGUF's weights otherwise stay packed and, without a
+    downloaded matmul kernel, are unpacked again in every forward (~40x slower): never the peer's best setting,
+    nor the same arithmetic as the fp32 reference."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from pagedserve.model.loader import default_model_path
 
-    path = default_model_path()
+    path = path or default_model_path()
+    extra = {}
+    if "dequantize" in inspect.signature(getattr(transformers, "GgufConfig", lambda: None)).parameters:
+        extra["quantization_config"] = transformers.GgufConfig(dequantize=True)
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=getattr(torch, dtype_name)).eval()
+                                                dtype=getattr(torch, dtype_name), **extra).eval()
 
 
 def static(model, jobs: list[Job], batch_size: int, pad_id: int, sort: bool = False) -> Run:
