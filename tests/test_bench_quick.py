@@ -42,3 +42,23 @@ def test_corpus_is_the_same_whatever_was_imported() -> None:
             "print(a == corpus_text())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def test_serve_compares_kv_dtypes_in_its_own_section() -> None:
+    import argparse
+
+    from pagedserve.bench import serve
+    from pagedserve.bench.cli import configure
+
+    args = configure(argparse.ArgumentParser(), "serve").parse_args(
+        ["--servers", "pagedserve,llama-server", "--kv-cache-dtypes", "bfloat16,int8", "--", "--kv-cache-memory", "32MiB"])
+    assert serve.server_runs(args) == [("pagedserve", "bfloat16"), ("pagedserve", "int8"), ("llama-server", None)]
+    assert args.pagedserve_args == ["--kv-cache-memory", "32MiB"]
+    ok = serve.RequestResult(True, ttft=0.2, e2e=1.2, output_tokens=11, itls=[0.1] * 10)
+    rows = [serve.summarize(name, 1.0, [ok] * 4, 4.0, 1.0, 0.1) for name in
+            ("pagedserve (bfloat16 KV)", "pagedserve (int8 KV)", "llama-server")]
+    rows[0].preemptions, rows[1].preemptions = 7, 0
+    text = serve.report_markdown(rows, args, None)
+    assert text.startswith(serve.KV_SECTION)
+    assert "| 7 |" in text and "| 0 |" in text and text.count("| - |") == 1
+    assert "pagedserve (int8 KV) / the other server(s)" in text

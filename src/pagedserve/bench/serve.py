@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 SECTION = "## Online serving (benchmarks/serve.py)"
+KV_SECTION = "## Online serving with a small KV pool, per KV cache dtype (benchmarks/serve.py)"
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class RateResult:
     tpot: list[float]
     itl: list[float]
     requests: list[RequestResult] = field(default_factory=list)  # each request, for the SLO curves
+    preemptions: int | None = None  # pagedserve's, from its /metrics over the rate (None: a peer)
 
 
 def mix_workload(tokenizer, num_requests: int, seed: int) -> list[BenchRequest]:
@@ -158,7 +160,7 @@ def summarize(server: str, rate: float, results: list[RequestResult], duration: 
 def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: Path | None) -> str:
     ms = 1000.0
     lines = [
-        SECTION, "",
+        KV_SECTION if args.kv_cache_dtypes else SECTION, "",
         f"Command: `{command_line()}`",
         (f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
         "note: the cores are shared with other work; compare the ratios within one run."),
@@ -168,8 +170,8 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
         f"Goodput: requests/s with TTFT <= {args.ttft_slo:g} s and TPOT <= {args.tpot_slo * ms:g} ms."),
         "",
         ("| server | rate (req/s) | ok | out tok/s | req/s | goodput (req/s) | SLO met | TTFT p50/p90/p99 (ms) "
-        "| TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) | preemptions |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     def trio(values: list[float]) -> str:
         return "/".join(f"{x * ms:.0f}" for x in values)
@@ -177,22 +179,25 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
     for r in results:
         lines.append(f"| {r.server} | {r.rate:g} | {r.num_ok}/{r.num_requests} | {r.output_tok_s:.0f} | "
                      f"{r.request_s:.2f} | {r.goodput:.2f} | {r.slo_attainment:.0%} | {trio(r.ttft)} | "
-                     f"{trio(r.tpot)} | {trio(r.itl)} |")
-    lines += ["", *_ratios(results)]
+                     f"{trio(r.tpot)} | {trio(r.itl)} | {'-' if r.preemptions is None else r.preemptions} |")
+    # With --kv-cache-dtypes the last dtype is compared with the first (e.g. int8 KV / bfloat16 KV).
+    variants = [r.server for r in results if r.server.startswith("pagedserve (")]
+    reference = variants[-1] if variants else "pagedserve"
+    lines += ["", *_ratios(results, reference)]
     if plot is not None:
         lines += ["", f"![serving latency and goodput vs offered load]({plot.name})"]
     return "\n".join(lines) + "\n"
 
 
-def _ratios(results: list[RateResult]) -> list[str]:
+def _ratios(results: list[RateResult], reference: str) -> list[str]:
     """The SLO-scale grid, the robust figure (median ratio over it) and throughput at matched latency."""
-    grid, ratios = slo.grid_markdown(results)
+    grid, ratios = slo.grid_markdown(results, reference)
     servers = slo.by_server(results)
     out = [("Highest offered rate each server sustains with at least 90% of requests within both targets "
             "(every lower rate too; failures count against it):"), "", *grid, ""]
     if ratios:
         ratios.sort()
-        out.append(f"Over the targets where both sustained a rate, pagedserve / peer = median "
+        out.append(f"Over the targets where both sustained a rate, {reference} / the other server(s) = median "
                    f"{ratios[len(ratios) // 2]:.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}x, {len(ratios)} cells).")
     matched = {name: slo.matched_latency(rows) for name, rows in servers.items()}
     out.append("Throughput at matched latency (highest rate with 90% of requests within TTFT 2 s and TPOT "
@@ -264,6 +269,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds one rate may run; requests unfinished by then count as failed")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md and the plot go")
     p.add_argument("--no-write", action="store_true", help="print the results only")
+    p.add_argument("--kv-cache-dtypes", default=None,
+                   help="run pagedserve once per KV cache dtype (e.g. bfloat16,int8; give a small pool after --, "
+                        "such as -- --kv-cache-memory 32MiB) and compare their goodput and preemptions "
+                        "(its own docs section)")
     p.add_argument("pagedserve_args", nargs="*", help="extra `pagedserve serve` flags (after --)")
 
 
@@ -277,7 +286,7 @@ def run(args: argparse.Namespace) -> list[RateResult]:
     tokenizer = Tokenizer.from_gguf_metadata(gguf_metadata(gguf.GGUFReader(args.gguf)))
     requests = mix_workload(tokenizer, args.num_requests, args.seed)
     results: list[RateResult] = []
-    for name in args.servers.split(","):
+    for name, kv_dtype in server_runs(args):
         if name == "pagedserve" and args.url:
             server = ServerProcess("pagedserve", [], url=args.url.rstrip("/"))
             server.model = first_model(server.url)
@@ -285,6 +294,9 @@ def run(args: argparse.Namespace) -> list[RateResult]:
             server = SERVERS[name](args, free_port())
             if server is None:
                 continue
+            if kv_dtype:
+                server.name = f"pagedserve ({kv_dtype} KV)"
+                server.cmd += ["--kv-cache-dtype", kv_dtype]
             server.start()
         try:
             results += bench_server(server, requests, rates, args)
@@ -293,14 +305,38 @@ def run(args: argparse.Namespace) -> list[RateResult]:
     return results
 
 
+def server_runs(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(server, KV cache dtype) in the order they run: pagedserve once per --kv-cache-dtypes entry."""
+    runs = []
+    for name in args.servers.split(","):
+        dtypes = args.kv_cache_dtypes.split(",") if name == "pagedserve" and args.kv_cache_dtypes else [None]
+        runs += [(name, d) for d in dtypes]
+    return runs
+
+
+def preemptions(server: ServerProcess) -> int | None:
+    """pagedserve's preemption counter (None for a peer, which has no such metric)."""
+    try:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("pagedserve_num_preemptions_total"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
+
+
 def bench_server(server: ServerProcess, requests: list[BenchRequest], rates: list[float],
                  args: argparse.Namespace) -> list[RateResult]:
     # Warm-up: a burst of real MIX requests, so the first measured rate finds every path compiled and hot.
     asyncio.run(run_rate(server, requests[:args.warmup], 0.0, args.seed, args.rate_timeout))
     out = []
     for i, rate in enumerate(rates):
+        before = preemptions(server)
         res, duration = asyncio.run(run_rate(server, requests, rate, args.seed + i, args.rate_timeout))
         summary = summarize(server.name, rate, res, duration, args.ttft_slo, args.tpot_slo)
+        after = preemptions(server)
+        summary.preemptions = after - before if before is not None and after is not None else None
         errors = {r.error for r in res if not r.ok}
         brief = {k: v for k, v in asdict(summary).items() if k != "requests"}
         logger.info("%s", json.dumps(brief) + (f" errors: {errors}" if errors else ""))
@@ -316,7 +352,8 @@ def run_args(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     results = run(args)
-    plot = args.docs / "serve_benchmark.png" if results and not args.no_write else None
+    name = "serve_kv_dtypes.png" if args.kv_cache_dtypes else "serve_benchmark.png"
+    plot = args.docs / name if results and not args.no_write else None
     if plot is not None:
         args.docs.mkdir(parents=True, exist_ok=True)
         plot_results(results, plot)
