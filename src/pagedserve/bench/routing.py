@@ -30,7 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.bench.measure import spread
-from pagedserve.bench.report import REPO, replace_section
+from pagedserve.bench.report import REPO, commit, replace_section
 from pagedserve.cluster.launcher import LocalCluster, free_port, wait_healthy
 
 SECTION = "## Routing policies (benchmarks/routing.py)"
@@ -174,7 +174,8 @@ def report(results: dict[str, list[PolicyResult]], args: argparse.Namespace, cal
     lines = [SECTION, "",
              f"Command: `pagedserve bench routing {command_line(args)}`  ",
              (f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with other work, no GPU; "
-              f"{args.replicas} replicas of SmolLM2-135M-Instruct (1 thread each); date {datetime.now(UTC):%Y-%m-%d}.  "),
+              f"{args.replicas} replicas of SmolLM2-135M-Instruct (1 thread each, admission control off); "
+              f"date {datetime.now(UTC):%Y-%m-%d %H:%M}; commit {commit()}.  "),
              (f"Workload: {args.tenants} tenants x {args.users} users x {args.turns} turns, "
               f"~{args.system_tokens}-token system prompt per tenant, {args.max_tokens} output tokens per turn, "
               f"{args.concurrency} concurrent conversations (closed loop). Every replica is warmed before the first "
@@ -252,8 +253,11 @@ def run_args(args: argparse.Namespace) -> int:
     results: dict[str, list[PolicyResult]] = {}
     calibration = None
     for pool in args.kv_cache_memory.split(","):
+        # Admission control off: a shed request would be retried elsewhere by the router, or fail, and the
+        # policies would be compared on what the replicas refused rather than on where the cache was.
         serve_args = ["--kv-cache-memory", pool, "--num-threads", "1", "--max-num-seqs", "16",
-                      "--max-model-len", "4096", "--embedding-model", "none", "--disable-access-log"]
+                      "--max-model-len", "4096", "--embedding-model", "none", "--disable-access-log",
+                      "--admission-control", "off"]
         with LocalCluster(args.replicas, serve_args) as cluster:
             urls = cluster.urls()
             model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
