@@ -249,7 +249,8 @@ QUICK = ["--servers", "pagedserve", "--rates", "2", "--num-requests", "6"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rates", default="0.5,1,2,4", help="comma-separated offered loads in requests/s")
+    p.add_argument("--rates", default="0.5,1,2,4,8",
+                   help="comma-separated offered loads in requests/s (up to where every server breaks)")
     p.add_argument("--num-requests", type=int, default=48, help="MIX requests sent at each rate")
     p.add_argument("--warmup", type=int, default=8, help="MIX requests sent at once before the first rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
