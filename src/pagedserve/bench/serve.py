@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 
 from pagedserve.bench import slo
-from pagedserve.bench.report import REPO, command_line, replace_section
+from pagedserve.bench.report import REPO, command_line, commit, replace_section
 from pagedserve.bench.servers import SERVERS, ServerProcess, default_gguf, first_model, free_port
 from pagedserve.bench.workloads import corpus_tokens, mix
 
@@ -164,7 +164,7 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
         f"Command: `{command_line()}`",
         (f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
         "note: the cores are shared with other work; compare the ratios within one run."),
-        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Commit: {commit()}.",
         (f"Workload: MIX ({args.num_requests} requests per rate, prompts 64-512 tokens, outputs 16-256, greedy, "
         f"ignore_eos), open-loop Poisson arrivals, streamed /v1/completions. "
         f"Goodput: requests/s with TTFT <= {args.ttft_slo:g} s and TPOT <= {args.tpot_slo * ms:g} ms."),
