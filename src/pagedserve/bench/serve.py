@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -165,7 +166,8 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
         (f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
         "note: the cores are shared with other work; compare the ratios within one run."),
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Commit: {commit()}.",
-        (f"Workload: MIX ({args.num_requests} requests per rate, prompts 64-512 tokens, outputs 16-256, greedy, "
+        (f"Workload: MIX (per rate, {args.num_requests} requests or {args.min_duration:g} s of arrivals, whichever "
+        f"is more; prompts 64-512 tokens, outputs 16-256, greedy, "
         f"ignore_eos), open-loop Poisson arrivals, streamed /v1/completions. "
         f"Goodput: requests/s with TTFT <= {args.ttft_slo:g} s and TPOT <= {args.tpot_slo * ms:g} ms."),
         "",
@@ -245,14 +247,19 @@ def plot_results(results: list[RateResult], path: Path) -> None:
 # ---- main ----
 
 # `pagedserve bench all --quick`: every part of this benchmark, at a scale of seconds.
-QUICK = ["--servers", "pagedserve", "--rates", "2", "--num-requests", "6"]
+QUICK = ["--servers", "pagedserve", "--rates", "2", "--num-requests", "6", "--min-duration", "1", "--warmup", "2"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="0.5,1,2,4,8",
                    help="comma-separated offered loads in requests/s (up to where every server breaks)")
-    p.add_argument("--num-requests", type=int, default=48, help="MIX requests sent at each rate")
-    p.add_argument("--warmup", type=int, default=8, help="MIX requests sent at once before the first rate")
+    p.add_argument("--num-requests", type=int, default=48, help="MIX requests sent at each rate (at least)")
+    p.add_argument("--min-duration", type=float, default=30.0,
+                   help="seconds of arrivals per rate at least: a high rate sends rate x this many requests, so "
+                        "it is a sustained load rather than one short burst")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="MIX requests sent at once before the first rate (default: --max-num-seqs, so every "
+                        "slot of a slot-based peer is touched before it is measured)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="goodput SLO on time to first token (s)")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="goodput SLO on time per output token (s)")
@@ -285,7 +292,8 @@ def run(args: argparse.Namespace) -> list[RateResult]:
 
     rates = [float(r) for r in args.rates.split(",")]
     tokenizer = Tokenizer.from_gguf_metadata(gguf_metadata(gguf.GGUFReader(args.gguf)))
-    requests = mix_workload(tokenizer, args.num_requests, args.seed)
+    most = max(args.num_requests, *(math.ceil(r * args.min_duration) for r in rates))
+    requests = mix_workload(tokenizer, most, args.seed)
     results: list[RateResult] = []
     for name, kv_dtype in server_runs(args):
         if name == "pagedserve" and args.url:
@@ -330,11 +338,13 @@ def preemptions(server: ServerProcess) -> int | None:
 def bench_server(server: ServerProcess, requests: list[BenchRequest], rates: list[float],
                  args: argparse.Namespace) -> list[RateResult]:
     # Warm-up: a burst of real MIX requests, so the first measured rate finds every path compiled and hot.
-    asyncio.run(run_rate(server, requests[:args.warmup], 0.0, args.seed, args.rate_timeout))
+    warmup = args.warmup if args.warmup is not None else args.max_num_seqs
+    asyncio.run(run_rate(server, requests[:warmup], 0.0, args.seed, args.rate_timeout))
     out = []
     for i, rate in enumerate(rates):
         before = preemptions(server)
-        res, duration = asyncio.run(run_rate(server, requests, rate, args.seed + i, args.rate_timeout))
+        count = max(args.num_requests, math.ceil(rate * args.min_duration))
+        res, duration = asyncio.run(run_rate(server, requests[:count], rate, args.seed + i, args.rate_timeout))
         summary = summarize(server.name, rate, res, duration, args.ttft_slo, args.tpot_slo)
         after = preemptions(server)
         summary.preemptions = after - before if before is not None and after is not None else None
