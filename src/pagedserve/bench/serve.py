@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.bench import slo
 from pagedserve.bench.report import REPO, command_line, commit, replace_section
@@ -329,10 +330,8 @@ def preemptions(server: ServerProcess) -> int | None:
         text = httpx.get(f"{server.url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    for line in text.splitlines():
-        if line.startswith("pagedserve_num_preemptions_total"):
-            return int(float(line.rsplit(" ", 1)[1]))
-    return None
+    return next((int(s.value) for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "pagedserve_num_preemptions_total"), None)
 
 
 def bench_server(server: ServerProcess, requests: list[BenchRequest], rates: list[float],
