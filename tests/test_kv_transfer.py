@@ -86,8 +86,11 @@ def test_leases_expire(engines):
         prefill.kv_transfer.lease_s = 30.0
 
 
-def test_int8_blocks_travel_with_their_per_token_scales():
-    prefill, decode, reference = engine("int8"), engine("int8"), engine("int8")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantized_blocks_travel_with_their_scales(kv_cache_dtype):
+    """int8: per-token scales; int4: per-token value and per-block key parameters (full blocks only travel,
+    so no key waits in a tail)."""
+    prefill, decode, reference = (engine(kv_cache_dtype) for _ in range(3))
     ids = prefill.tokenizer.encode(PROMPT)
     greedy(prefill, "p", ids, 1)
     lease = prefill.kv_transfer.lease(ids)

@@ -8,6 +8,7 @@ hash until they are reused, so a freed prefix can still be hit.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.request import Request
@@ -46,6 +47,7 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[int]] = {}  # hash chain of the request's cached full blocks
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.on_release: Callable[[list[int]], None] | None = None  # told of blocks a free() returned to the pool
 
     @property
     def num_blocks(self) -> int:
@@ -136,13 +138,17 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks; the tail goes first into the LRU queue so it is evicted first."""
+        released = []
         for b in reversed(self.req_blocks.pop(request_id, [])):
             block = self.blocks[b]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {b} freed twice"
             if block.ref_count == 0:
                 self.free_queue[b] = None
+                released.append(b)
         self.req_hashes.pop(request_id, None)
+        if self.on_release is not None:
+            self.on_release(released)
 
     # -- transfer between workers (disaggregated prefill/decode) ----------------------------------
     def cached_prefix_blocks(self, token_ids: list[int], salt: str | None = None) -> list[int]:

@@ -127,15 +127,19 @@ class LLMEngine:
                              "quant_kernel": f"{kernel_path()}+{gemm_path()}" if config.quantization != "none" else "none",
                              "weight_bytes": self.weight_bytes}
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
-        num_blocks = parse_size(config.kv_cache_memory) // ModelRunner.bytes_per_block(
-            loaded.config, self.kv_format, config.block_size)
+        pool_bytes = parse_size(config.kv_cache_memory) - ModelRunner.fixed_bytes(
+            loaded.config, self.kv_format, config.block_size, config.max_num_seqs)
+        num_blocks = pool_bytes // ModelRunner.bytes_per_block(loaded.config, self.kv_format, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds not even one KV block")
         self.max_model_len = self._fit_context(num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, loaded.config, self.kv_format, num_blocks, config.block_size,
                                   use_kernel=config.attention_backend == "cpp",
-                                  calibration_ids=self.tokenizer.encode(CALIBRATION_TEXT))
+                                  calibration_ids=self.tokenizer.encode(CALIBRATION_TEXT),
+                                  max_num_seqs=config.max_num_seqs)
+        if self.runner.tails is not None:  # a freed, partly written block gives back its int4 key tail
+            self.kv.on_release = self.runner.tails.release
         self.weights_info.update(kv_cache_dtype=self.kv_format.name, kv_cache_blocks=num_blocks,
                                  kv_cache_tokens=num_blocks * config.block_size)
         self.kv_transfer = KVTransfer(self.kv, self.runner)  # leases and imports of KV blocks (disaggregation)

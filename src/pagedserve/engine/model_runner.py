@@ -9,6 +9,7 @@ import torch
 from pagedserve.engine.request import Request
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan
 from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache, resolve_kv_format
+from pagedserve.model.kv_int4 import KeyTails
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.lora import LoRAAdapter, LoRABatch
 from pagedserve.model.model_config import ModelConfig
@@ -27,21 +28,31 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, kv_format: KVFormat, num_blocks: int,
-                 block_size: int, use_kernel: bool = True, calibration_ids: list[int] | None = None) -> None:
+                 block_size: int, use_kernel: bool = True, calibration_ids: list[int] | None = None,
+                 max_num_seqs: int = 64) -> None:
         model.use_fast_path(use_kernel)
         self.model = model
         self.use_kernel = use_kernel
         self.block_size = block_size
         self.kv_format = kv_format
-        self.kv_caches = [LayerKVCache(kv_format, num_blocks * block_size, config.num_key_value_heads, config.head_dim)
+        # int4: a running sequence's partly written block keeps its keys in a bf16 tail until it fills
+        self.tails = KeyTails(num_blocks, block_size, max_num_seqs) if kv_format.int4 else None
+        self.kv_caches = [LayerKVCache(kv_format, num_blocks * block_size, config.num_key_value_heads, config.head_dim,
+                                       block_size, self.tails)
                           for _ in range(config.num_hidden_layers)]
-        if kv_format.quantized and not kv_format.per_token_scale:
+        if kv_format.per_head_scale:
             self._calibrate_head_scales(config, calibration_ids or list(range(1, 257)))
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, kv_format: KVFormat, block_size: int) -> int:
-        per_head = kv_format.bytes_per_token_head(config.head_dim)
-        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * per_head
+        return config.num_hidden_layers * kv_format.block_bytes(block_size, config.num_key_value_heads, config.head_dim)
+
+    @staticmethod
+    def fixed_bytes(config: ModelConfig, kv_format: KVFormat, block_size: int, max_num_seqs: int) -> int:
+        """What the pool holds beside its blocks: int4's bf16 key tails, one per running sequence."""
+        if not kv_format.int4:
+            return 0
+        return config.num_hidden_layers * max_num_seqs * block_size * config.num_key_value_heads * config.head_dim * 2
 
     @torch.inference_mode()
     def _calibrate_head_scales(self, config: ModelConfig, token_ids: list[int]) -> None:
@@ -92,6 +103,8 @@ class ModelRunner:
                 prompt_rows.append((req, start, scored))
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes),
                                  *self._decode_tables(decodes, block_tables), spans, self.use_kernel)
+        if self.tails is not None:
+            meta.key_plan = self.tails.plan(slots)
         if spans:
             meta.prefill_spans = torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans], dtype=torch.long)
             meta.prefill_tables = torch.nn.utils.rnn.pad_sequence([p.block_table for p in spans], batch_first=True)
@@ -117,30 +130,37 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-    def _slots(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+    def block_tensors(self, layer: LayerKVCache) -> list[tuple[torch.Tensor, int]]:
+        """What a block holds in one layer, each with its rows per block: K and V, and their per-token scales
+        (int8) or parameters (int4: per slot for values, per block for keys). Per-head scales (fp8) come from the
+        same calibration on every worker, so they do not travel."""
+        bs = self.block_size
+        if self.kv_format.int4:
+            return [(layer.k, bs), (layer.v, bs), (layer.k_scale, 1), (layer.v_scale, bs)]
+        scales = [layer.k_scale, layer.v_scale] if self.kv_format.per_token_scale else []
+        return [(t, bs) for t in [layer.k, layer.v, *scales]]
 
-    def block_tensors(self, layer) -> list[torch.Tensor]:
-        """What a block holds in one layer: K and V, and their per-token scales (int8). Per-head scales (fp8)
-        come from the same calibration on every worker, so they do not travel."""
-        return [layer.k, layer.v] + ([layer.k_scale, layer.v_scale] if self.kv_format.per_token_scale else [])
+    @staticmethod
+    def _rows(block_ids: list[int], per_block: int) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        return (ids[:, None] * per_block + torch.arange(per_block)).flatten()
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> bytes:
-        """The blocks' KV as stored (quantized blocks at their quantized size), layer by layer."""
-        slots = self._slots(block_ids)
+        """The blocks' KV as stored (quantized blocks at their quantized size), layer by layer. Only full blocks
+        travel, so int4 keys are never in a tail."""
         out, offset = torch.empty(self.export_size(len(block_ids)), dtype=torch.uint8), 0
         for layer in self.kv_caches:
-            for t in self.block_tensors(layer):  # gathered straight into the payload: no concatenation pass
-                size = t.element_size() * int(t[0].numel()) * len(slots)
-                torch.index_select(t, 0, slots, out=out[offset:offset + size].view(t.dtype).view(len(slots), *t.shape[1:]))
+            for t, per_block in self.block_tensors(layer):  # gathered straight into the payload: no concatenation
+                rows = self._rows(block_ids, per_block)
+                size = t.element_size() * int(t[0].numel()) * len(rows)
+                torch.index_select(t, 0, rows, out=out[offset:offset + size].view(t.dtype).view(len(rows), *t.shape[1:]))
                 offset += size
         return out.numpy().tobytes()
 
     def export_size(self, num_blocks: int) -> int:
-        return sum(t.element_size() * int(t[0].numel()) * self.block_size * num_blocks
-                   for layer in self.kv_caches for t in self.block_tensors(layer))
+        return sum(t.element_size() * int(t[0].numel()) * per_block * num_blocks
+                   for layer in self.kv_caches for t, per_block in self.block_tensors(layer))
 
     @torch.inference_mode()
     def import_blocks(self, block_ids: list[int], data: bytes, num_blocks: int) -> None:
@@ -148,21 +168,25 @@ class ModelRunner:
         if len(data) != self.export_size(num_blocks):
             raise ValueError(f"KV data of {len(data)} bytes for {num_blocks} blocks; expected "
                              f"{self.export_size(num_blocks)} (another model, block size or KV format?)")
-        slots = self._slots(block_ids)
+        if self.tails is not None:
+            self.tails.release(block_ids)
         raw, offset = torch.frombuffer(bytearray(data), dtype=torch.uint8), 0
         for layer in self.kv_caches:
-            for t in self.block_tensors(layer):
-                rows = self.block_size * num_blocks
-                size = t.element_size() * int(t[0].numel()) * rows
-                chunk = raw[offset:offset + size].view(t.dtype).view(rows, *t.shape[1:])
-                t.index_copy_(0, slots, chunk[:len(slots)])
+            for t, per_block in self.block_tensors(layer):
+                rows = self._rows(block_ids, per_block)
+                size = t.element_size() * int(t[0].numel()) * per_block * num_blocks
+                chunk = raw[offset:offset + size].view(t.dtype).view(per_block * num_blocks, *t.shape[1:])
+                t.index_copy_(0, rows, chunk[:len(rows)])
                 offset += size
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        tails = [self.tails.fork(src, dst) for src, dst in copies] if self.tails is not None else []
         for layer in self.kv_caches:
             for src, dst in copies:
                 layer.copy_block(src, dst, self.block_size)
+            for pair in filter(None, tails):
+                layer.copy_tail(*pair)
 
 
 def _adapter_order(item: tuple[Request, int]) -> int:

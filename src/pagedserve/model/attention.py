@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.kv_cache_dtype import LayerKVCache
+from pagedserve.model.kv_int4 import KeyWritePlan
 
 KERNEL_HEAD_DIMS = (64, 128)  # what the C++ attention kernels are built for; other sizes take the PyTorch path
 
@@ -32,6 +33,7 @@ class AttentionMetadata:
     use_kernel: bool = True  # the C++ kernels; False: the pure-PyTorch path
     prefill_spans: torch.Tensor | None = None  # int64 [S, 3]: (start, num_tokens, context_len) of each prefill
     prefill_tables: torch.Tensor | None = None  # int64 [S, max_blocks]: their block tables, zero-padded
+    key_plan: KeyWritePlan | None = None  # int4 KV: where this step's keys wait and which blocks fill
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
@@ -50,7 +52,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
             and fused.prefill_attention_available()):
         # Every span in one call, reading the pool this step's keys were just written to.
         fused.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.prefill_spans,
-                                meta.prefill_tables, block_size, scale, out)
+                                meta.prefill_tables, block_size, scale, out, cache.k_tail, cache.tail_of_block)
         return out
     for p in meta.prefills:
         rows = slice(p.start, p.start + p.num_tokens)
@@ -78,7 +80,8 @@ def decode_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetada
     if kernels is None:
         return decode_attention_torch(q, cache, meta, block_size, scale)
     return kernels.paged_decode_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                          meta.decode_block_tables, meta.decode_context_lens, block_size, scale)
+                                          meta.decode_block_tables, meta.decode_context_lens, block_size, scale,
+                                          cache.k_tail, cache.tail_of_block)
 
 
 def decode_attention_torch(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, block_size: int,

@@ -99,7 +99,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if ctx.lora is not None:
             ctx.lora.add(qkv, x, self.layer_index, "qkv_proj")
-        if ctx.kernels is not None:  # rotates q and k inside qkv and writes k, v to the cache in one pass
+        if ctx.kernels is not None and kv.fmt.int4:
+            plan = ctx.meta.key_plan
+            ctx.kernels.rope_and_cache_int4(qkv, ctx.cos, ctx.sin, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_tail,
+                                            ctx.meta.slot_mapping, plan.rows, plan.completions, ctx.block_size,
+                                            self.num_heads, self.num_kv_heads)
+        elif ctx.kernels is not None:  # rotates q and k inside qkv and writes k, v to the cache in one pass
             ctx.kernels.rope_and_cache(qkv, ctx.cos, ctx.sin, kv.k, kv.v, kv.k_scale, kv.v_scale,
                                        ctx.meta.slot_mapping, self.num_heads, self.num_kv_heads)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -108,7 +113,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ctx.kernels is None:
             q, k = rotate(q, ctx.cos, ctx.sin), rotate(k, ctx.cos, ctx.sin)
-            kv.write(k, v, ctx.meta.slot_mapping)
+            kv.write(k, v, ctx.meta.slot_mapping, ctx.meta.key_plan)
         o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels).flatten(1)
         out = self.o_proj(o, residual)
         if ctx.lora is not None:

@@ -79,6 +79,20 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Rotate-half RoPE of one token's q and k heads (bf16, in place).
+static inline void rope_row(uint16_t* row, const float* c, const float* s, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t head = 0; head < heads; ++head) {
+    uint16_t* x = row + head * d;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+      x[i] = float_to_bf16(x1 * c[i] - x2 * s[i]);
+      x[i + half] = float_to_bf16(x2 * c[i] + x1 * s[i]);
+    }
+  }
+}
+
 // qkv: [T, (H + 2 KV) * D], the fused projection's output. Rotates q and k in place (rotate-half RoPE,
 // cos/sin: [T, D/2] fp32, already gathered at each token's position) and writes k and v into the caches
 // ([slots, KV, D], bfloat16, or fp8 / int8 quantized on the way in with k_scale / v_scale as in kv_quant.h)
@@ -114,16 +128,7 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
     std::vector<float> x_f(d);
     for (int64_t t = begin; t < end; ++t) {
       uint16_t* row = base + t * ld;
-      const float *c = cp + t * half, *s = sp + t * half;
-      for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {
-        uint16_t* x = row + head * d;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
-          x[i] = float_to_bf16(x1 * c[i] - x2 * s[i]);
-          x[i + half] = float_to_bf16(x2 * c[i] + x1 * s[i]);
-        }
-      }
+      rope_row(row, cp + t * half, sp + t * half, num_heads + num_kv_heads, d);
       const int64_t slot = slots[t];
       if (kind == KVKind::kPlain) {
         std::memcpy(kc + slot * kv_row * elem, row + num_heads * d, kv_row * 2);
@@ -138,6 +143,83 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
           float* scales = which ? vs : ks;
           quantize_row(kind, x_f.data(), d, dst, scales + slot * num_kv_heads + h, scales[h]);
         }
+    }
+  });
+}
+
+// The int4 pool's write (model/kv_int4.py has the reference): rotates q and k in place as rope_and_cache does,
+// quantizes each token's v per token into its slot, copies each k into its block's bf16 tail row (key_rows, -1:
+// none), then quantizes the keys of every block that fills this step per channel (completions: [C, 3] int64 of
+// block, tail or -1, first qkv row when the whole block was written this step).
+void rope_and_cache_int4(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, torch::Tensor k_params, torch::Tensor v_params, torch::Tensor k_tail,
+                         torch::Tensor slot_mapping, torch::Tensor key_rows, torch::Tensor completions,
+                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads) {
+  check_bf16(qkv, "qkv");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kByte && v_cache.scalar_type() == torch::kByte && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "int4 caches must be contiguous uint8");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous(), "cos and sin must be contiguous float32");
+  for (const auto* t : {&slot_mapping, &key_rows, &completions})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "slot_mapping, key_rows, completions: int64");
+  const int64_t rows = qkv.size(0), ld = qkv.stride(0), d = k_cache.size(2) * 2, half = d / 2;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && cos.size(0) == rows && cos.size(1) == half &&
+                  slot_mapping.size(0) == rows && key_rows.size(0) == rows && k_cache.size(1) == num_kv_heads &&
+                  completions.dim() == 2 && completions.size(1) == 3,
+              "shapes do not match");
+  const int64_t slots = k_cache.size(0), blocks = slots / block_size, num_tail_rows = k_tail.size(0);
+  TORCH_CHECK(k_params.scalar_type() == torch::kHalf && v_params.scalar_type() == torch::kHalf &&
+                  k_params.numel() == blocks * num_kv_heads * 2 * d && v_params.numel() == slots * num_kv_heads * 2 &&
+                  k_tail.scalar_type() == torch::kBFloat16 && k_tail.is_contiguous(),
+              "int4 parameters and tails do not match the pool");
+  uint16_t* base = bits_mut(qkv);
+  uint8_t *kc = k_cache.data_ptr<uint8_t>(), *vc = v_cache.data_ptr<uint8_t>();
+  auto *kp = reinterpret_cast<uint16_t*>(k_params.data_ptr()), *vp = reinterpret_cast<uint16_t*>(v_params.data_ptr());
+  auto* tail = reinterpret_cast<uint16_t*>(k_tail.data_ptr());
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t *sm = slot_mapping.data_ptr<int64_t>(), *kr = key_rows.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> x(d);
+    std::vector<uint8_t> codes(d);
+    for (int64_t t = begin; t < end; ++t) {
+      uint16_t* row = base + t * ld;
+      rope_row(row, cp + t * half, sp + t * half, num_heads + num_kv_heads, d);
+      const int64_t slot = sm[t];
+      TORCH_CHECK(slot >= 0 && slot < slots && kr[t] < num_tail_rows, "slot or key row out of range");
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const uint16_t* v = row + (num_heads + num_kv_heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) x[i] = bf16_to_float(v[i]);
+        uint16_t* p = vp + (slot * num_kv_heads + h) * 2;
+        int4_codes(x.data(), d, 1, codes.data(), p, p + 1);
+        uint8_t* dst = vc + (slot * num_kv_heads + h) * half;
+        for (int64_t i = 0; i < half; ++i) dst[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+      }
+      if (kr[t] >= 0) std::memcpy(tail + kr[t] * num_kv_heads * d, row + num_heads * d, num_kv_heads * d * 2);
+    }
+  });
+  const int64_t* comp = completions.data_ptr<int64_t>();
+  at::parallel_for(0, completions.size(0) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(block_size * d);
+    std::vector<uint8_t> codes(block_size);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t* c = comp + (idx / num_kv_heads) * 3;
+      const int64_t h = idx % num_kv_heads, block = c[0], from_tail = c[1], first = c[2];
+      TORCH_CHECK(block >= 0 && block < blocks && (from_tail >= 0 ? (from_tail + 1) * block_size <= num_tail_rows
+                                                                  : first >= 0 && first + block_size <= rows),
+                  "completion out of range");
+      for (int64_t j = 0; j < block_size; ++j) {
+        const uint16_t* k = from_tail >= 0 ? tail + ((from_tail * block_size + j) * num_kv_heads + h) * d
+                                           : base + (first + j) * ld + (num_heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) x[j * d + i] = bf16_to_float(k[i]);
+      }
+      uint16_t* p = kp + (block * num_kv_heads + h) * 2 * d;
+      for (int64_t i = 0; i < d; ++i) {
+        int4_codes(x.data() + i, block_size, d, codes.data(), p + i, p + d + i);
+        for (int64_t j = 0; j < block_size; ++j) {
+          uint8_t& dst = kc[((block * block_size + j) * num_kv_heads + h) * half + i / 2];
+          dst = (i % 2 == 0) ? static_cast<uint8_t>((dst & 0xF0) | codes[j]) : static_cast<uint8_t>((dst & 0x0F) | (codes[j] << 4));
+        }
+      }
     }
   });
 }

@@ -1,5 +1,6 @@
 // Quantized KV cache rows (model/kv_cache_dtype.py): fp8 (e4m3 / e5m2) with a scale per KV head, int8 with a
-// scale per token and KV head. Readers widen one cached row to fp32 in registers; writers quantize on the way in
+// scale per token and KV head, int4 (model/kv_int4.py) with keys per channel across a full block (a partial
+// block's keys read from their bf16 tail) and values per token, each with an fp16 scale and minimum. Readers widen one cached row to fp32 in registers; writers quantize on the way in
 // as the PyTorch reference does (x / scale, round half to even, saturate), but built with -ffast-math: a value
 // within an ulp of a rounding boundary may land on the neighbouring code.
 #pragma once
@@ -10,13 +11,14 @@
 #include <cstdint>
 #include <cstring>
 
-enum class KVKind { kPlain, kFp8E4M3, kFp8E5M2, kInt8 };
+enum class KVKind { kPlain, kFp8E4M3, kFp8E5M2, kInt8, kInt4 };
 
 inline KVKind kv_kind(const torch::Tensor& cache, const torch::Tensor& q) {
   switch (cache.scalar_type()) {
     case torch::kFloat8_e4m3fn: return KVKind::kFp8E4M3;
     case torch::kFloat8_e5m2: return KVKind::kFp8E5M2;
     case torch::kChar: return KVKind::kInt8;
+    case torch::kByte: return KVKind::kInt4;
     default:
       TORCH_CHECK(cache.scalar_type() == q.scalar_type() || cache.scalar_type() == torch::kBFloat16,
                   "an unquantized cache must be in the model dtype or bfloat16");
@@ -39,15 +41,57 @@ inline float fp8_to_float(uint8_t x) {
   return f;
 }
 
-// Reads row (slot, head) of a quantized cache ([slots, KV, D] codes) as D floats.
+inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// int4: how one side (K or V) of the pool is laid out; see model/kv_int4.py.
+struct Int4Layout {
+  const uint16_t* params = nullptr;         // fp16: keys [blocks, KV, 2, D] (scales, mins), values [slots, KV, 2]
+  const uint16_t* tail = nullptr;           // keys: bf16 [tails * block_size, KV, D], partial blocks' keys
+  const int32_t* tail_of_block = nullptr;   // keys: [blocks], -1 where the block's keys are quantized
+  int64_t block_size = 0;
+  bool keys = false;
+};
+
+// Reads row (slot, head) of a quantized cache ([slots, KV, D] codes; int4: [slots, KV, D / 2]) as D floats.
 struct QuantRowReader {
   KVKind kind;
-  const uint8_t* codes;    // fp8 codes or int8 values
+  const uint8_t* codes;    // fp8 codes, int8 values or int4 pairs (low nibble first)
   const float* scales;     // [KV] (fp8) or [slots, KV] (int8)
   int64_t num_kv_heads;
+  Int4Layout int4;
+
+  template <int D>
+  inline void load_int4(int64_t slot, int64_t head, float* __restrict__ out) const {
+    const uint8_t* row = codes + (slot * num_kv_heads + head) * (D / 2);
+    if (!int4.keys) {
+      const uint16_t* p = int4.params + (slot * num_kv_heads + head) * 2;
+      const float s = half_to_float(p[0]), m = half_to_float(p[1]);
+#pragma omp simd
+      for (int i = 0; i < D / 2; ++i) {
+        out[2 * i] = static_cast<float>(row[i] & 15) * s + m;
+        out[2 * i + 1] = static_cast<float>(row[i] >> 4) * s + m;
+      }
+      return;
+    }
+    const int64_t block = slot / int4.block_size;
+    const int32_t tail = int4.tail_of_block[block];
+    if (tail >= 0) {
+      const uint16_t* r = int4.tail + ((tail * int4.block_size + slot % int4.block_size) * num_kv_heads + head) * D;
+      uint32_t* o = reinterpret_cast<uint32_t*>(out);
+      for (int i = 0; i < D; ++i) o[i] = static_cast<uint32_t>(r[i]) << 16;
+      return;
+    }
+    const uint16_t* s = int4.params + (block * num_kv_heads + head) * 2 * D;
+    const uint16_t* m = s + D;
+    for (int i = 0; i < D / 2; ++i) {
+      out[2 * i] = static_cast<float>(row[i] & 15) * half_to_float(s[2 * i]) + half_to_float(m[2 * i]);
+      out[2 * i + 1] = static_cast<float>(row[i] >> 4) * half_to_float(s[2 * i + 1]) + half_to_float(m[2 * i + 1]);
+    }
+  }
 
   template <int D>
   inline void load(int64_t slot, int64_t head, float* __restrict__ out) const {
+    if (kind == KVKind::kInt4) return load_int4<D>(slot, head, out);
     const uint8_t* row = codes + (slot * num_kv_heads + head) * D;
     if (kind == KVKind::kInt8) {
       const float s = scales[slot * num_kv_heads + head];
@@ -73,7 +117,64 @@ inline QuantRowReader quant_reader(const torch::Tensor& cache, const c10::option
   const int64_t kv = cache.size(1);
   TORCH_CHECK(kind == KVKind::kInt8 ? scale->numel() == cache.size(0) * kv : scale->numel() == kv,
               "scales must be [slots, KV] for int8 and [KV] for fp8");
-  return {kind, reinterpret_cast<const uint8_t*>(cache.data_ptr()), scale->data_ptr<float>(), kv};
+  return {kind, reinterpret_cast<const uint8_t*>(cache.data_ptr()), scale->data_ptr<float>(), kv, {}};
+}
+
+// int4 readers: k_params [blocks, KV, 2, D] and v_params [slots, KV, 2] fp16, k_tail bf16 [tails * block_size, KV,
+// D], tail_of_block int32 [blocks].
+inline std::pair<QuantRowReader, QuantRowReader> int4_readers(
+    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const c10::optional<torch::Tensor>& k_params,
+    const c10::optional<torch::Tensor>& v_params, const c10::optional<torch::Tensor>& k_tail,
+    const c10::optional<torch::Tensor>& tail_of_block, int64_t block_size) {
+  TORCH_CHECK(k_params.has_value() && v_params.has_value() && k_tail.has_value() && tail_of_block.has_value(),
+              "an int4 cache needs its key and value parameters, key tails and tail_of_block");
+  const int64_t slots = k_cache.size(0), kv = k_cache.size(1), d = k_cache.size(2) * 2;
+  TORCH_CHECK(block_size > 0 && slots % block_size == 0, "int4: slots must be whole blocks");
+  const int64_t blocks = slots / block_size;
+  TORCH_CHECK(k_params->scalar_type() == torch::kHalf && v_params->scalar_type() == torch::kHalf &&
+                  k_params->is_contiguous() && v_params->is_contiguous() && k_params->numel() == blocks * kv * 2 * d &&
+                  v_params->numel() == slots * kv * 2,
+              "int4 parameters must be contiguous fp16 [blocks, KV, 2, D] (keys) and [slots, KV, 2] (values)");
+  TORCH_CHECK(k_tail->scalar_type() == torch::kBFloat16 && k_tail->is_contiguous() &&
+                  k_tail->numel() % (block_size * kv * d) == 0,
+              "int4 key tails must be contiguous bf16 [tails * block_size, KV, D]");
+  TORCH_CHECK(tail_of_block->scalar_type() == torch::kInt && tail_of_block->is_contiguous() &&
+                  tail_of_block->numel() == blocks,
+              "tail_of_block must be int32 [blocks]");
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_params->data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_params->data_ptr());
+  const auto* tail = reinterpret_cast<const uint16_t*>(k_tail->data_ptr());
+  const int32_t* tob = tail_of_block->data_ptr<int32_t>();
+  return {QuantRowReader{KVKind::kInt4, reinterpret_cast<const uint8_t*>(k_cache.data_ptr()), nullptr, kv,
+                         {kp, tail, tob, block_size, true}},
+          QuantRowReader{KVKind::kInt4, reinterpret_cast<const uint8_t*>(v_cache.data_ptr()), nullptr, kv,
+                         {vp, nullptr, nullptr, block_size, false}}};
+}
+
+// The readers of a quantized pool, whichever its format.
+inline std::pair<QuantRowReader, QuantRowReader> quant_readers(
+    KVKind kind, const torch::Tensor& k_cache, const torch::Tensor& v_cache, const c10::optional<torch::Tensor>& k_scale,
+    const c10::optional<torch::Tensor>& v_scale, const c10::optional<torch::Tensor>& k_tail,
+    const c10::optional<torch::Tensor>& tail_of_block, int64_t block_size) {
+  if (kind == KVKind::kInt4) return int4_readers(k_cache, v_cache, k_scale, v_scale, k_tail, tail_of_block, block_size);
+  return {quant_reader(k_cache, k_scale, kind), quant_reader(v_cache, v_scale, kind)};
+}
+
+// int4 asymmetric codes of n floats with their fp16 scale and minimum: (x - min) / scale rounded into 0..15, from
+// the fp16-rounded scale and minimum (what readers use). Returns the codes in out[0..n).
+inline void int4_codes(const float* x, int64_t n, int64_t stride, uint8_t* out, uint16_t* scale_bits,
+                       uint16_t* min_bits) {
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+  }
+  const c10::Half s(std::max((hi - lo) * (1.f / 15.f), 1e-8f)), m(lo);
+  *scale_bits = s.x;
+  *min_bits = m.x;
+  const float inv = 1.f / static_cast<float>(s), mf = static_cast<float>(m);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<uint8_t>(std::clamp(std::nearbyint((x[i * stride] - mf) * inv), 0.f, 15.f));
 }
 
 // Quantizes n floats into one cache row; int8 also sets the row's scale (amax / 127, as the reference).

@@ -285,6 +285,7 @@ static bool attend_bf16_any(KVKind kind, int64_t group, const uint16_t* q, const
       return attend_bf16_group<D, KVKind::kFp8E4M3>(group, q, hv, table, len, out, block_size, scale);
     case KVKind::kFp8E5M2:
       return attend_bf16_group<D, KVKind::kFp8E5M2>(group, q, hv, table, len, out, block_size, scale);
+    case KVKind::kInt4: return false;
   }
   return false;
 }
@@ -338,11 +339,14 @@ static void decode(const scalar_t* q, const Reader& k_cache, const Reader& v_cac
 // q: [B, H, D], rows may be strided (a slice of the fused qkv); k_cache, v_cache: [slots, KV, D] in the model
 // dtype, bfloat16, fp8 or int8 with k_scale / v_scale ([KV] for fp8, [slots, KV] for int8, float32);
 // block_tables: [B, max_blocks] int64; context_lens: [B] int64 (tokens to attend, the current one included).
+// int4: uint8 caches [slots, KV, D / 2], k_scale / v_scale its fp16 parameters, k_tail and tail_of_block the
+// partial blocks' keys (kv_quant.h); read row by row, not on the AVX-512 BF16 path.
 // Returns [B, H, D]. D is 64 or 128; at most 8 query heads per KV head.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale) {
+                                     double scale, c10::optional<torch::Tensor> k_tail,
+                                     c10::optional<torch::Tensor> tail_of_block) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches must share a format");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row [H, D] must be contiguous");
@@ -350,9 +354,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "block_tables and context_lens must be int64");
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128");
-  TORCH_CHECK(k_cache.size(2) == head_dim, "cache rows must be head_dim wide");
-  TORCH_CHECK(q.size(1) / k_cache.size(1) <= 8, "at most 8 query heads per KV head");
   const KVKind kind = kv_kind(k_cache, q);
+  TORCH_CHECK(k_cache.size(2) * (kind == KVKind::kInt4 ? 2 : 1) == head_dim, "cache rows must be head_dim wide");
+  TORCH_CHECK(q.size(1) / k_cache.size(1) <= 8, "at most 8 query heads per KV head");
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), head_dim}, q.options());
@@ -369,7 +373,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                       out.data_ptr<scalar_t>(), s);
     };
     if (kind != KVKind::kPlain) {
-      run(quant_reader(k_cache, k_scale, kind), quant_reader(v_cache, v_scale, kind));
+      const auto [kr, vr] = quant_readers(kind, k_cache, v_cache, k_scale, v_scale, k_tail, tail_of_block, block_size);
+      run(kr, vr);
     } else if (k_cache.scalar_type() == q.scalar_type()) {
       run(PlainRowReader<scalar_t>{k_cache.data_ptr<scalar_t>(), kv}, PlainRowReader<scalar_t>{v_cache.data_ptr<scalar_t>(), kv});
     } else {  // a bfloat16 cache under a wider model dtype

@@ -197,12 +197,13 @@ void run_task(const Task& t, const Span& sp, const uint16_t* q, int64_t q_row_st
 bool prefill_attention_available() { return true; }
 
 // q: [T, H, D] bf16 (rows may be strided, each [H, D] contiguous); k_cache, v_cache: [slots, KV, D], bf16 or fp8 /
-// int8 with their scales (kv_quant.h), holding every span's keys, this step's included; spans: [S, 3] int64 rows
+// int8 / int4 with their scales (kv_quant.h), holding every span's keys, this step's included; spans: [S, 3] int64 rows
 // (first row in q, new tokens, tokens already cached); block_tables: [S, max_blocks] int64. Writes the spans' rows
 // of out ([T, H, D], contiguous).
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, torch::Tensor spans,
-                       torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out) {
+                       torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out,
+                       c10::optional<torch::Tensor> k_tail, c10::optional<torch::Tensor> tail_of_block) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "prefill_attention is for bfloat16");
   const KVKind kind = kv_kind(k_cache, q);
@@ -217,8 +218,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   QuantRowReader kr{}, vr{};
   const QuantRowReader *kq = nullptr, *vq = nullptr;
   if (kind != KVKind::kPlain) {
-    kr = quant_reader(k_cache, k_scale, kind);
-    vr = quant_reader(v_cache, v_scale, kind);
+    std::tie(kr, vr) = quant_readers(kind, k_cache, v_cache, k_scale, v_scale, k_tail, tail_of_block, block_size);
     kq = &kr;
     vq = &vr;
   }
@@ -252,7 +252,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 bool prefill_attention_available() { return false; }
 
 void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
-                       c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, double, torch::Tensor) {
+                       c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, double, torch::Tensor,
+                       c10::optional<torch::Tensor>, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "prefill_attention needs AVX-512 BF16");
 }
 
