@@ -172,6 +172,8 @@ def test_capacity_counts_codes_parameters_and_tails():
     assert int4.kv.num_blocks == ((32 << 20) - tails) // (30 * 3 * 1344)
     assert int4.kv.num_blocks / bf16.kv.num_blocks > 2.9
     assert int4.weights_info["kv_cache_dtype"] == "int4"
+    with pytest.raises(ValueError, match="key tails"):  # 64 seats' tails alone take 11.8 MB
+        LLM(kv_cache_dtype="int4", kv_cache_memory="8MiB", max_num_seqs=64)
 
 
 def test_engine_prefix_hits_forks_and_preemption():

@@ -131,13 +131,15 @@ class LLMEngine:
             loaded.config, self.kv_format, config.block_size, config.max_num_seqs)
         num_blocks = pool_bytes // ModelRunner.bytes_per_block(loaded.config, self.kv_format, config.block_size)
         if num_blocks < 1:
-            raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds not even one KV block")
+            tails = " beside int4's key tails (one per --max-num-seqs seat)" if self.kv_format.int4 else ""
+            raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds not even one KV block{tails}")
         self.max_model_len = self._fit_context(num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, loaded.config, self.kv_format, num_blocks, config.block_size,
                                   use_kernel=config.attention_backend == "cpp",
                                   calibration_ids=self.tokenizer.encode(CALIBRATION_TEXT),
-                                  max_num_seqs=config.max_num_seqs)
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_loras=config.max_loras if config.enable_lora else 0)
         if self.runner.tails is not None:  # a freed, partly written block gives back its int4 key tail
             self.kv.on_release = self.runner.tails.release
         self.weights_info.update(kv_cache_dtype=self.kv_format.name, kv_cache_blocks=num_blocks,

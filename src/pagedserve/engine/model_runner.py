@@ -1,7 +1,6 @@
 """Owns the model and the KV pool; turns a scheduled batch into tensors and runs one forward pass."""
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +10,7 @@ from pagedserve.model.attention import AttentionMetadata, PrefillSpan
 from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache, resolve_kv_format
 from pagedserve.model.kv_int4 import KeyTails
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.lora import LoRAAdapter, LoRABatch
+from pagedserve.model.lora import LoRAAdapter, LoRABatch, LoRASlots
 from pagedserve.model.model_config import ModelConfig
 
 
@@ -29,12 +28,13 @@ class BatchInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, kv_format: KVFormat, num_blocks: int,
                  block_size: int, use_kernel: bool = True, calibration_ids: list[int] | None = None,
-                 max_num_seqs: int = 64) -> None:
+                 max_num_seqs: int = 64, max_loras: int = 0) -> None:
         model.use_fast_path(use_kernel)
         self.model = model
         self.use_kernel = use_kernel
         self.block_size = block_size
         self.kv_format = kv_format
+        self.lora_slots = LoRASlots(config, max_loras, model.norm.weight.dtype) if max_loras else None
         # int4: a running sequence's partly written block keeps its keys in a bf16 tail until it fills
         self.tails = KeyTails(num_blocks, block_size, max_num_seqs) if kv_format.int4 else None
         self.kv_caches = [LayerKVCache(kv_format, num_blocks * block_size, config.num_key_value_heads, config.head_dim,
@@ -75,9 +75,6 @@ class ModelRunner:
         bs = self.block_size
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n != 1]
-        if any(r.lora is not None for r, _ in scheduled):  # each adapter's rows in one run: slices, not gathers
-            decodes.sort(key=_adapter_order)
-            prefills.sort(key=_adapter_order)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -109,7 +106,8 @@ class ModelRunner:
             meta.prefill_spans = torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans], dtype=torch.long)
             meta.prefill_tables = torch.nn.utils.rnn.pad_sequence([p.block_table for p in spans], batch_first=True)
         return BatchInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                           sample_rows, sample_reqs, prompt_rows, lora_batch(lora_rows.values()))
+                           sample_rows, sample_reqs, prompt_rows,
+                           self.lora_slots.batch(list(lora_rows.values())) if lora_rows else None)
 
     @staticmethod
     def _decode_tables(decodes: list[tuple[Request, int]],
@@ -187,20 +185,3 @@ class ModelRunner:
                 layer.copy_block(src, dst, self.block_size)
             for pair in filter(None, tails):
                 layer.copy_tail(*pair)
-
-
-def _adapter_order(item: tuple[Request, int]) -> int:
-    return item[0].lora.generation if item[0].lora is not None else 0
-
-
-def lora_batch(groups) -> LoRABatch | None:
-    """Each adapter's rows as slices: one per run of adjacent tokens (the runner orders requests by adapter,
-    so an adapter has a run among the decodes and one among the prefills at most)."""
-    out = []
-    for adapter, ranges in groups:
-        start = ranges[0].start
-        for a, b in itertools.pairwise([*ranges, None]):
-            if b is None or a.stop != b.start:
-                out.append((adapter, slice(start, a.stop)))
-                start = b.start if b is not None else start
-    return LoRABatch(out) if out else None

@@ -1,5 +1,5 @@
 """LoRA adapters in PEFT format, applied beside the base model's projections and batched over the adapters
-of a step (grouped matmuls: one shrink and one expand per adapter and projection, never per request).
+of a step (one grouped shrink and one grouped expand per projection over all of them, never per request).
 
 At load an adapter is regrouped onto our fused projections: for qkv_proj (q, k, v) and gate_up_proj (gate,
 up) the parts' A matrices stack along the rank and B places each part's rows in its slice of the fused
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,14 +153,93 @@ def _fuse(pieces: list[tuple[int, torch.Tensor, torch.Tensor]], fused_name: str,
     return LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous())
 
 
+def fused_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of every fused projection an adapter can touch."""
+    h, i = config.hidden_size, config.intermediate_size
+    return {"qkv_proj": (h, config.q_size + 2 * config.kv_size), "o_proj": (config.q_size, h),
+            "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+
+
+class LoRASlots:
+    """The running batch's adapters stacked per layer and projection, A^T as [slots, in, rank] and B^T as
+    [slots, rank, out] (ranks zero-padded to the largest slotted one), so that a step applies every adapter of a
+    projection with one grouped shrink and one grouped expand (torch._grouped_mm over rows sorted by slot:
+    Punica's SGMV) instead of a pair of matmuls per adapter. --max-loras slots, refilled least recently used
+    first; an adapter is keyed by its load (cache_key), so a reload never reads the old weights."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype) -> None:
+        self.shapes = fused_shapes(config)
+        self.num_layers, self.num_slots, self.dtype = config.num_hidden_layers, num_slots, dtype
+        self.a = {m: torch.zeros(self.num_layers, num_slots, i, 0, dtype=dtype) for m, (i, _) in self.shapes.items()}
+        self.b = {m: torch.zeros(self.num_layers, num_slots, 0, o, dtype=dtype) for m, (_, o) in self.shapes.items()}
+        self.slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
+
+    def batch(self, groups: list[tuple[LoRAAdapter, list[range]]]) -> LoRABatch | None:
+        """The step's adapter rows (each adapter's ranges of the flat batch), ordered by slot."""
+        if not groups:
+            return None
+        slots = self._activate([adapter for adapter, _ in groups])
+        counts = [0] * self.num_slots
+        order: list[int] = []
+        for slot, (_, ranges) in sorted(zip(slots, groups), key=lambda g: g[0]):
+            for r in ranges:
+                order += r
+            counts[slot] = sum(len(r) for r in ranges)
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return LoRABatch(self, torch.tensor(order, dtype=torch.long), offs)
+
+    def _activate(self, adapters: list[LoRAAdapter]) -> list[int]:
+        if len({a.cache_key for a in adapters}) > self.num_slots:
+            raise RuntimeError(f"{len(adapters)} adapters in one step, over --max-loras {self.num_slots}")
+        in_use = {a.cache_key for a in adapters}
+        out = []
+        for adapter in adapters:
+            key = adapter.cache_key
+            if key in self.slot_of:
+                self.slot_of.move_to_end(key)
+            else:
+                taken = set(self.slot_of.values())
+                free = [s for s in range(self.num_slots) if s not in taken]
+                if free:
+                    slot = free[0]
+                else:
+                    victim = next(k for k in self.slot_of if k not in in_use)
+                    slot = self.slot_of.pop(victim)
+                self._write(adapter, slot)
+                self.slot_of[key] = slot
+            out.append(self.slot_of[key])
+        return out
+
+    def _write(self, adapter: LoRAAdapter, slot: int) -> None:
+        for module in self.shapes:
+            rank = max((layer[module].a.shape[0] for layer in adapter.layers if module in layer), default=0)
+            rank = -(-rank // 8) * 8  # _grouped_mm wants 16-byte strides
+            if rank > self.a[module].shape[-1]:  # grow every slot's padding to this rank
+                a, b = self.a[module], self.b[module]
+                self.a[module] = torch.cat([a, a.new_zeros(*a.shape[:-1], rank - a.shape[-1])], dim=-1)
+                self.b[module] = torch.cat([b, b.new_zeros(*b.shape[:2], rank - b.shape[2], b.shape[3])], dim=2)
+            self.a[module][:, slot].zero_()
+            self.b[module][:, slot].zero_()
+            for i, layer in enumerate(adapter.layers):
+                w = layer.get(module)
+                if w is not None:
+                    r = w.a.shape[0]
+                    self.a[module][i, slot, :, :r] = w.a.T
+                    self.b[module][i, slot, :r] = w.b.T
+
+
 @dataclass(slots=True)
 class LoRABatch:
-    """The adapters of one step and the rows (tokens) each serves; rows without an adapter are left out."""
-    groups: list[tuple[LoRAAdapter, slice]]  # an adapter may have several runs of rows
+    """The adapters of one step: the rows (tokens) they serve sorted by slot, and each slot's end in that order;
+    rows without an adapter are left out."""
+    slots: LoRASlots
+    index: torch.Tensor  # int64 [n]: rows of the flat batch, by slot
+    offs: torch.Tensor  # int32 [num_slots]: cumulative row counts per slot
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
-        """y += the adapters' deltas of module for their rows of x (one shrink and one expand per run)."""
-        for adapter, rows in self.groups:
-            w = adapter.layers[layer].get(module)
-            if w is not None:
-                y[rows] += (x[rows] @ w.a.T) @ w.b.T
+        """y += every adapter's delta of module for its rows of x: one grouped shrink and one grouped expand."""
+        a = self.slots.a[module][layer]
+        if a.shape[-1] == 0:  # no slotted adapter touches this projection
+            return
+        shrunk = torch._grouped_mm(x.index_select(0, self.index), a, offs=self.offs)
+        y.index_add_(0, self.index, torch._grouped_mm(shrunk, self.slots.b[module][layer], offs=self.offs))
