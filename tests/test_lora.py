@@ -118,14 +118,17 @@ def test_bad_adapters_are_refused_with_the_reason(tmp_path, adapters):
         LLM(dtype="float32", kv_cache_memory="16MiB").generate("Hi", GREEDY, lora_request=lora(adapters, "attn8"))
 
 
-def test_slots_apply_each_adapter_to_its_rows_only():
-    """The grouped shrink/expand against one matmul pair per adapter: ranks padded to the largest slotted one,
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_slots_apply_each_adapter_to_its_rows_only(path, monkeypatch):
+    """The batched kernel (and its PyTorch fallback) against one matmul pair per adapter: ranks padded to the largest slotted one,
     projections an adapter lacks left alone, slots refilled least recently used first, a reload (new
     generation) written afresh rather than read from the old slot."""
     from types import SimpleNamespace
 
     from pagedserve.model.lora import LoRAAdapter, LoRASlots, LoRAWeights, fused_shapes
 
+    if path == "torch":
+        monkeypatch.setattr("pagedserve.model.lora.cpu_kernels", lambda: None)
     torch.manual_seed(0)
     config = SimpleNamespace(hidden_size=32, intermediate_size=48, q_size=32, kv_size=16, num_hidden_layers=2)
     shapes = fused_shapes(config)
@@ -141,10 +144,10 @@ def test_slots_apply_each_adapter_to_its_rows_only():
     steps[1].append(steps[0][0])  # "a" again beside a newcomer: "b" is the one evicted
     steps.append([adapter("a", 4, ("qkv_proj",), generation=2), steps[0][0]])  # a reload of "a" and the old load
     for step in steps:
-        rows = [[range(0, 3), range(7, 8)], [range(3, 6)]][:len(step)]
+        rows = [[range(0, 18), range(27, 28)], [range(18, 21)]][:len(step)]  # a GEMM-sized segment and short ones
         batch = slots.batch(list(zip(step, rows)))
         for module, (fan_in, fan_out) in shapes.items():
-            x, y = torch.randn(9, fan_in), torch.randn(9, fan_out)
+            x, y = torch.randn(30, fan_in), torch.randn(30, fan_out)
             expected = y.clone()
             for ad, ranges in zip(step, rows):
                 w = ad.layers[1].get(module)
@@ -153,4 +156,4 @@ def test_slots_apply_each_adapter_to_its_rows_only():
                         expected[r.start:r.stop] += x[r.start:r.stop] @ w.a.T @ w.b.T
             batch.add(y, x, 1, module)
             torch.testing.assert_close(y, expected)
-    assert slots.a["qkv_proj"].shape[-1] == 16 and len(slots.slot_of) == 2
+    assert slots.a["qkv_proj"].shape[2] == 12 and len(slots.slot_of) == 2

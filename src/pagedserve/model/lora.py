@@ -1,5 +1,5 @@
 """LoRA adapters in PEFT format, applied beside the base model's projections and batched over the adapters
-of a step (one grouped shrink and one grouped expand per projection over all of them, never per request).
+of a step (one C++ call per projection over all of them, SGMV-style, never a loop per request or adapter).
 
 At load an adapter is regrouped onto our fused projections: for qkv_proj (q, k, v) and gate_up_proj (gate,
 up) the parts' A matrices stack along the rank and B places each part's rows in its slice of the fused
@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.model_config import ModelConfig
 
 # PEFT module name -> (our fused module, which part of its output)
@@ -161,32 +162,33 @@ def fused_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 class LoRASlots:
-    """The running batch's adapters stacked per layer and projection, A^T as [slots, in, rank] and B^T as
+    """The running batch's adapters stacked per layer and projection, A as [slots, rank, in] and B^T as
     [slots, rank, out] (ranks zero-padded to the largest slotted one), so that a step applies every adapter of a
-    projection with one grouped shrink and one grouped expand (torch._grouped_mm over rows sorted by slot:
-    Punica's SGMV) instead of a pair of matmuls per adapter. --max-loras slots, refilled least recently used
-    first; an adapter is keyed by its load (cache_key), so a reload never reads the old weights."""
+    projection in one call (our C++ lora_sgmv over rows sorted by slot: Punica's SGMV) instead of a pair of
+    matmuls per adapter. --max-loras slots, refilled least recently used first; an adapter is keyed by its load
+    (cache_key), so a reload never reads the old weights."""
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype) -> None:
         self.shapes = fused_shapes(config)
         self.num_layers, self.num_slots, self.dtype = config.num_hidden_layers, num_slots, dtype
-        self.a = {m: torch.zeros(self.num_layers, num_slots, i, 0, dtype=dtype) for m, (i, _) in self.shapes.items()}
+        self.a = {m: torch.zeros(self.num_layers, num_slots, 0, i, dtype=dtype) for m, (i, _) in self.shapes.items()}
         self.b = {m: torch.zeros(self.num_layers, num_slots, 0, o, dtype=dtype) for m, (_, o) in self.shapes.items()}
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
 
     def batch(self, groups: list[tuple[LoRAAdapter, list[range]]]) -> LoRABatch | None:
-        """The step's adapter rows (each adapter's ranges of the flat batch), ordered by slot."""
+        """The step's adapter rows (each adapter's ranges of the flat batch), in segments by slot."""
         if not groups:
             return None
         slots = self._activate([adapter for adapter, _ in groups])
-        counts = [0] * self.num_slots
         order: list[int] = []
+        starts, seg_slots = [0], []
         for slot, (_, ranges) in sorted(zip(slots, groups), key=lambda g: g[0]):
             for r in ranges:
                 order += r
-            counts[slot] = sum(len(r) for r in ranges)
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return LoRABatch(self, torch.tensor(order, dtype=torch.long), offs)
+            starts.append(len(order))
+            seg_slots.append(slot)
+        return LoRABatch(self, torch.tensor(order, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
+                         torch.tensor(seg_slots, dtype=torch.long))
 
     def _activate(self, adapters: list[LoRAAdapter]) -> list[int]:
         if len({a.cache_key for a in adapters}) > self.num_slots:
@@ -213,10 +215,9 @@ class LoRASlots:
     def _write(self, adapter: LoRAAdapter, slot: int) -> None:
         for module in self.shapes:
             rank = max((layer[module].a.shape[0] for layer in adapter.layers if module in layer), default=0)
-            rank = -(-rank // 8) * 8  # _grouped_mm wants 16-byte strides
-            if rank > self.a[module].shape[-1]:  # grow every slot's padding to this rank
+            if rank > self.a[module].shape[2]:  # grow every slot's padding to this rank
                 a, b = self.a[module], self.b[module]
-                self.a[module] = torch.cat([a, a.new_zeros(*a.shape[:-1], rank - a.shape[-1])], dim=-1)
+                self.a[module] = torch.cat([a, a.new_zeros(*a.shape[:2], rank - a.shape[2], a.shape[3])], dim=2)
                 self.b[module] = torch.cat([b, b.new_zeros(*b.shape[:2], rank - b.shape[2], b.shape[3])], dim=2)
             self.a[module][:, slot].zero_()
             self.b[module][:, slot].zero_()
@@ -224,22 +225,29 @@ class LoRASlots:
                 w = layer.get(module)
                 if w is not None:
                     r = w.a.shape[0]
-                    self.a[module][i, slot, :, :r] = w.a.T
+                    self.a[module][i, slot, :r] = w.a
                     self.b[module][i, slot, :r] = w.b.T
 
 
 @dataclass(slots=True)
 class LoRABatch:
-    """The adapters of one step: the rows (tokens) they serve sorted by slot, and each slot's end in that order;
-    rows without an adapter are left out."""
+    """The adapters of one step: the rows (tokens) they serve sorted by slot, in one segment per slot; rows
+    without an adapter are left out."""
     slots: LoRASlots
     index: torch.Tensor  # int64 [n]: rows of the flat batch, by slot
-    offs: torch.Tensor  # int32 [num_slots]: cumulative row counts per slot
+    seg_starts: torch.Tensor  # int64 [segments + 1]: each segment's first position in index
+    seg_slots: torch.Tensor  # int64 [segments]: its slot
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
-        """y += every adapter's delta of module for its rows of x: one grouped shrink and one grouped expand."""
-        a = self.slots.a[module][layer]
-        if a.shape[-1] == 0:  # no slotted adapter touches this projection
+        """y += every adapter's delta of module for its rows of x, in one kernel call."""
+        a, b = self.slots.a[module][layer], self.slots.b[module][layer]
+        if a.shape[1] == 0:  # no slotted adapter touches this projection
             return
-        shrunk = torch._grouped_mm(x.index_select(0, self.index), a, offs=self.offs)
-        y.index_add_(0, self.index, torch._grouped_mm(shrunk, self.slots.b[module][layer], offs=self.offs))
+        kernels = cpu_kernels() if x.device.type == "cpu" else None
+        if kernels is not None:
+            kernels.lora_sgmv(y, x.contiguous(), self.index, self.seg_starts, self.seg_slots, a, b)
+            return
+        starts = self.seg_starts.tolist()
+        for slot, first, end in zip(self.seg_slots.tolist(), starts, starts[1:]):
+            rows = self.index[first:end]
+            y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot])

@@ -32,6 +32,9 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
                        torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out,
                        c10::optional<torch::Tensor> k_tail, c10::optional<torch::Tensor> tail_of_block);
 
+void lora_sgmv(torch::Tensor y, torch::Tensor x, torch::Tensor index, torch::Tensor seg_starts, torch::Tensor seg_slots,
+               torch::Tensor a, torch::Tensor b);
+
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -55,6 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),
         py::arg("residual") = py::none());
   m.def("quant_dequantize", &quant_dequantize, "planar int8/int4 weights as a float matrix");
+  m.def("lora_sgmv", &lora_sgmv, "y[rows] += x[rows] @ A^T @ B of each row's adapter slot (batched LoRA)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "mask fp32 logits rows in place by packed grammar bitmasks");
   m.def("rope_and_cache", &rope_and_cache, "rotate q and k in place and write k, v into the paged caches");
   m.def("rope_and_cache_int4", &rope_and_cache_int4, "rotate q and k in place and write k, v into an int4 pool");
