@@ -78,6 +78,8 @@ def assignment(requests: int, adapters: int, zipf: bool, seed: int = 0) -> list[
 
 
 def timed_run(engine, jobs, loras: list[LoRARequest | None]) -> tuple[float, int]:
+    """Every run computes its prompts: the prefix cache is emptied first (the runs repeat the same prompts)."""
+    engine.kv.reset_prefix_cache()
     params = [SamplingParams(temperature=0, max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
     for i, (job, p, lora) in enumerate(zip(jobs, params, loras, strict=True)):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", job.prompt_token_ids, p, lora_request=lora)
@@ -121,10 +123,10 @@ def run_args(args: argparse.Namespace) -> int:
             loaded = [engine.loras.load(r) for r in requests]
             load_ms = (time.perf_counter() - start) / len(requests) * 1e3
             merge_s = statistics.median(merge_seconds(a) for a in loaded[:8])
+            timed_run(engine, jobs, [requests[k] for k in assignment(args.requests, max(counts), False)])  # warm-up
             for count in counts:
                 for zipf in (False, True):
                     which = assignment(args.requests, count, zipf)
-                    engine.kv.reset_prefix_cache()
                     elapsed, tokens = timed_run(engine, jobs, [requests[k] for k in which])
                     if tokens != expected:
                         problems.append(f"rank {rank}, {count} adapters: {tokens} tokens, expected {expected}")
