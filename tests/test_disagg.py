@@ -4,8 +4,11 @@ unreachable handles, mismatched workers, a dead prefill worker) end in a recompu
 and the block counts on both sides return to their baseline."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import socket
+import threading
 
 import httpx
 import pytest
@@ -170,6 +173,63 @@ def test_a_decode_worker_whose_blocks_cannot_move_is_refused_at_registration(wor
         assert not states["decode-32"]["healthy"] and "32-token blocks" in states["decode-32"]["reason"]
         response = httpx.post(router.url + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4}, timeout=60)
         assert response.status_code == 503  # no decode replica it could hand the blocks to
+
+
+class CutMidPull:
+    """A TCP relay to a prefill worker for one pull: it passes the request and the first 256 KiB of the answer,
+    then holds (`midway` set) until the test has killed the worker, and closes both ends (`release`). What the
+    decode worker sees is a prefill worker dying in the middle of sending its blocks."""
+
+    def __init__(self, upstream_url: str) -> None:
+        self.upstream = httpx.URL(upstream_url)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.midway, self.release, self.relayed = threading.Event(), threading.Event(), 0
+        threading.Thread(target=self._relay, daemon=True).start()
+
+    def _relay(self) -> None:
+        client, _ = self.server.accept()
+        with client, socket.create_connection((self.upstream.host, self.upstream.port)) as up:
+            request = b""
+            while b"\r\n\r\n" not in request:  # a GET: headers only
+                request += client.recv(65536)
+            up.sendall(request)
+            while self.relayed < 256 * 1024 and (chunk := up.recv(65536)):
+                client.sendall(chunk)
+                self.relayed += len(chunk)
+            self.midway.set()
+            self.release.wait(60)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.close()
+
+
+def test_a_prefill_worker_killed_during_the_pull_costs_recomputation(workers, tmp_path):
+    """The decode side (the reference server, pulling over TCP) is mid-transfer when the prefill worker is
+    killed: the truncated pull is recomputed, the answer is right, and the decode side holds no block after."""
+    doomed, doomed_url = pagedserve_server("prefill-doomed", tmp_path, ["--kv-role", "prefill"])
+    decode = workers["reference"]
+    prompt = "Killed mid-pull: " + PROMPTS[0]
+    with contextlib.ExitStack() as stack:
+        start_all(stack, doomed)
+        body = complete(doomed_url, prompt, kv_transfer_params={"do_remote_decode": True})
+        cut = CutMidPull(doomed_url)
+        stack.callback(cut.close)
+        params = {"do_remote_prefill": True, **body["kv_transfer_params"], "remote_url": cut.url}
+        assert params["num_blocks"] * 16 * 30 * 3 * 64 * 2 * 4 > 512 * 1024  # fp32 blocks: the cut is mid-payload
+        before = failures(decode, "unreachable")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(complete, decode, prompt, kv_transfer_params=params)
+            assert cut.midway.wait(120), "the pull never started"
+            assert cut.relayed >= 256 * 1024
+            doomed.process.kill()
+            doomed.process.wait(10)
+            cut.release.set()
+            got = answer.result(300)
+    assert texts(got) == texts(complete(workers["decode"], prompt))
+    assert failures(decode, "unreachable") == before + 1
+    wait_for(lambda: idle(decode), 15, "the decode side to hold no block")
 
 
 def test_a_dead_prefill_worker_costs_recomputation_not_the_request(workers):
