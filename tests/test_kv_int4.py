@@ -3,6 +3,8 @@ and attention kernels against that reference with partly written blocks in their
 invariants (capacity, prefix hits, forks, preemption, no leaked tails)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ def test_plan_stages_partial_blocks_and_completes_full_ones():
 
 def write_in_chunks(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, cuts: list[int]) -> None:
     bounds = [0, *cuts, len(k)]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         pos = torch.arange(a, b)
         cache.write(k[a:b], v[a:b], table[pos // cache.block_size] * cache.block_size + pos % cache.block_size)
 

@@ -144,7 +144,7 @@ def test_slots_apply_each_adapter_to_its_rows_only(path, monkeypatch):
     steps[1].append(steps[0][0])  # "a" again beside a newcomer: "b" is the one evicted
     steps.append([adapter("a", 4, ("qkv_proj",), generation=2), steps[0][0]])  # a reload of "a" and the old load
     for step in steps:
-        rows = [[range(0, 518), range(527, 528)], [range(518, 523)]][:len(step)]  # a GEMM-sized segment, short ones
+        rows = [[range(518), range(527, 528)], [range(518, 523)]][:len(step)]  # a GEMM-sized segment, short ones
         batch = slots.batch(list(zip(step, rows)))
         for module, (fan_in, fan_out) in shapes.items():
             x, y = torch.randn(530, fan_in), torch.randn(530, fan_out)
