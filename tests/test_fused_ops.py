@@ -190,9 +190,15 @@ def test_prefill_attention(kernels, kv_cache_dtype: str, heads: int, kv_heads: i
     kernels.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.prefill_spans,
                               meta.prefill_tables, block_size, d ** -0.5, out)
     assert not out[:nd].any()  # decode rows are the decode kernel's
+    assert_prefill_matches_sdpa(out, q, cache, spans, block_size)
+
+
+def assert_prefill_matches_sdpa(out: torch.Tensor, q: torch.Tensor, cache, spans, block_size: int) -> None:
+    """Each span's rows of out against SDPA (fp32) over the cache read back through its block table, dequantized
+    to bf16 as the kernel stages a quantized chunk before its bf16 dot products."""
+    d = q.shape[-1]
     for p in spans:
         total = p.context_len + p.num_tokens
-        # dequantized to bf16, as the kernel stages a quantized chunk before its bf16 dot products
         kp, vp = (x[:total].float().transpose(0, 1).unsqueeze(0) for x in cache.gather(p.block_table, block_size, BF16))
         qp = q[p.start:p.start + p.num_tokens].float().transpose(0, 1).unsqueeze(0)
         mask = torch.arange(total).unsqueeze(0) <= torch.arange(p.num_tokens).unsqueeze(1) + p.context_len

@@ -7,13 +7,12 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan, decode_attention_torch
 from pagedserve.model.kv_cache_dtype import LayerKVCache, resolve_kv_format
 from pagedserve.model.kv_int4 import KeyTails, dequantize_key_blocks, quantize_key_blocks
-from tests.test_fused_ops import kernels  # noqa: F401  (the fixture)
+from tests.test_fused_ops import assert_prefill_matches_sdpa, kernels  # noqa: F401  (kernels: the fixture)
 
 BF16 = torch.bfloat16
 INT4 = resolve_kv_format("int4", BF16)
@@ -125,14 +124,7 @@ def test_prefill_kernel_reads_int4_and_tails(kernels):  # noqa: F811
     kernels.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale,
                               torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans]), tables, bs,
                               d ** -0.5, out, cache.k_tail, cache.tail_of_block)
-    for p in spans:
-        total = p.context_len + p.num_tokens
-        kp, vp = (x[:total].float().transpose(0, 1).unsqueeze(0) for x in cache.gather(p.block_table, bs, BF16))
-        qp = q[p.start:p.start + p.num_tokens].float().transpose(0, 1).unsqueeze(0)
-        mask = torch.arange(total).unsqueeze(0) <= torch.arange(p.num_tokens).unsqueeze(1) + p.context_len
-        expected = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
-        torch.testing.assert_close(out[p.start:p.start + p.num_tokens].float(), expected.squeeze(0).transpose(0, 1),
-                                   rtol=2e-2, atol=2e-2)
+    assert_prefill_matches_sdpa(out, q, cache, spans, bs)
 
 
 def test_fused_write_matches_the_reference(kernels):  # noqa: F811

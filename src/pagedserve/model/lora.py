@@ -191,9 +191,9 @@ class LoRASlots:
                          torch.tensor(seg_slots, dtype=torch.long))
 
     def _activate(self, adapters: list[LoRAAdapter]) -> list[int]:
-        if len({a.cache_key for a in adapters}) > self.num_slots:
-            raise RuntimeError(f"{len(adapters)} adapters in one step, over --max-loras {self.num_slots}")
         in_use = {a.cache_key for a in adapters}
+        if len(in_use) > self.num_slots:
+            raise RuntimeError(f"{len(in_use)} adapters in one step, over --max-loras {self.num_slots}")
         out = []
         for adapter in adapters:
             key = adapter.cache_key
