@@ -6,8 +6,13 @@ import base64
 
 import numpy as np
 
+from pagedserve.server.embeddings_protocol import (
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
 from pagedserve.server.errors import APIError
-from pagedserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from pagedserve.server.serving import ServerState
 
 

@@ -15,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pagedserve.server.chat import create_chat_completion, render_prompt
 from pagedserve.server.completions import create_completion
 from pagedserve.server.embeddings import create_embeddings
+from pagedserve.server.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from pagedserve.server.errors import APIError, install_error_handlers
 from pagedserve.server.kv_transfer import expire_leases, kv_routes
 from pagedserve.server.lora_routes import lora_routes
@@ -26,8 +27,6 @@ from pagedserve.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    EmbeddingRequest,
-    EmbeddingResponse,
     ErrorResponse,
     HealthResponse,
     ModelCard,

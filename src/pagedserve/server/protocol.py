@@ -376,35 +376,6 @@ class ChatCompletionChunk(BaseModel):
     kv_transfer_params: dict | None = Field(None, description="the prefill half's lease on the prompt's KV blocks")
 
 
-# ---- embeddings ----
-
-class EmbeddingRequest(StrictModel):
-    input: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=2048)] = Field(
-        description="a non-empty string or a list of 1 to 2048 of them (token-id input is not supported)")
-    model: Text | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: Text | None = None
-
-
-class Embedding(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Embedding]
-    model: str
-    usage: EmbeddingUsage
-
-
 # ---- models, tokenizer, health ----
 
 class ModelCard(BaseModel):
@@ -415,7 +386,7 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     dtype: str | None = None  # the LLM's compute dtype
     quantization: str | None = None  # the LLM's weights: none | gguf | int8 | int4
-    kv_cache_dtype: str | None = None  # the LLM's KV cache storage: bfloat16 | float32 | fp8_e4m3 | fp8_e5m2 | int8
+    kv_cache_dtype: str | None = None  # the LLM's KV cache storage: bfloat16 | float32 | fp8_e4m3 | fp8_e5m2 | int8 | int4
     root: str | None = None  # a LoRA adapter: where it was loaded from
     parent: str | None = None  # a LoRA adapter: the base model it runs on
 
