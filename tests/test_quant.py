@@ -172,7 +172,7 @@ def gemm(request, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", list(WEIGHTS))
-@pytest.mark.parametrize(("m", "n", "k"), [(8, 7, 256), (33, 45, 512), (300, 70, 768), (64, 33, 288)])
+@pytest.mark.parametrize(("m", "n", "k"), [(8, 7, 256), (33, 45, 512), (300, 70, 768), (64, 33, 288), (130, 300, 512)])
 def test_large_m_paths_are_the_bf16_product(gemm, fmt, m, n, k):
     """bf16 activations from DEQUANT_MIN_ROWS rows: N and M off the tiles' multiples, every format."""
     if (k % 128 and fmt == "int4-g128") or (k % 256 and fmt in K_QUANT_SCALES):

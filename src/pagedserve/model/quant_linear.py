@@ -5,10 +5,11 @@ Paths, forced with PAGEDSERVE_QUANT_KERNEL for tests and measurements:
 - `avx2`: the same arithmetic on AVX2 (madd_epi16), weights widened once per row into an L1 buffer.
 - `scalar`: the same arithmetic in portable C++ (any CPU the extension builds on).
 - `torch`: dequantize in PyTorch, then F.linear (no C++ compiler).
-Calls of DEQUANT_MIN_ROWS rows or more (prefill, large batches) are compute-bound. There, with bf16
-activations on a CPU with AMX, our tile kernel dequantizes 32 weight rows at a time into an L2-resident bf16
-panel and multiplies it on the tiles (`amx`); elsewhere the weights are dequantized whole into the activation
-dtype and multiplied by oneDNN/MKL (`dequant`). PAGEDSERVE_QUANT_GEMM forces one of the two.
+Calls of DEQUANT_MIN_ROWS rows or more (batches, prefill) go to a float GEMM. Up to AMX_MAX_ROWS rows, with
+bf16 activations on a CPU with AMX, our tile kernel dequantizes 32 weight rows at a time into an L1/L2-resident
+bf16 panel and multiplies it on the tiles (`amx`); longer calls (prefill chunks), and every large call without
+AMX, dequantize the weights whole into the activation dtype for oneDNN/MKL (`dequant`): there the panel kernel
+would re-read all activations per 32 weight rows. PAGEDSERVE_QUANT_GEMM forces one of the two.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}
 # Measured on 3072x576 and 576x1536 (one thread, AVX2): the integer kernel is ~2x faster than dequantize +
 # GEMM at 1-4 rows and ~1.5x slower from 16; a float GEMM does more multiply-adds per instruction.
 DEQUANT_MIN_ROWS = 8
+# Measured over the default model's 120 linears (2 threads, AMX Xeon): the tile kernel beats bf16 oneDNN at
+# 64-128 rows, ties at 512, and loses to dequantize + oneDNN from 1024 (137 vs 129 ms; 2.2x at 2048).
+AMX_MAX_ROWS = 512
 
 
 @cache
@@ -55,13 +59,18 @@ def gemm_path() -> str:
     return wanted
 
 
+def _forced(path: str) -> bool:
+    """Whether PAGEDSERVE_QUANT_GEMM names this large-M path (then it runs at every M)."""
+    return os.environ.get("PAGEDSERVE_QUANT_GEMM") == path
+
+
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_rows: int | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ residual) in x's dtype."""
     if path == "torch":
         y = F.linear(x, w.dequantize().to(x.dtype))
     elif x.shape[0] >= (DEQUANT_MIN_ROWS if dequant_min_rows is None else dequant_min_rows):
-        if x.dtype == torch.bfloat16 and gemm_path() == "amx":
+        if x.dtype == torch.bfloat16 and gemm_path() == "amx" and (x.shape[0] <= AMX_MAX_ROWS or _forced("amx")):
             return cpu_kernels().quant_linear_amx(x, w.qweight, w.scales, w.mins, w.bits, w.group,
                                                   None if residual is None else residual.contiguous())
         y = F.linear(x, cpu_kernels().quant_dequantize(w.qweight, w.scales, w.mins, w.bits, w.group, x.dtype))

@@ -1,11 +1,14 @@
-// Large-M matmuls over quantized weights (quant_gemm.cpp's planar layout) on AMX bf16 tiles.
+// Batch-sized matmuls over quantized weights (quant_gemm.cpp's planar layout) on AMX bf16 tiles.
 //
-// A batch or a prefill is compute-bound, where the integer kernel loses to a float GEMM, but dequantizing the
-// whole matrix to bf16 first (then oneDNN) writes and re-reads twice the bytes of the bf16 model. Here each
-// thread takes 32 weight rows at a time, dequantizes them into a small bf16 panel (in L2) and multiplies it
-// with TDPBF16PS against every 32 activation rows: the quantized bytes are read once per call, and nothing of
-// the size of the weights is written. The weights are the tiles' A operand (rows of k, as they dequantize) and
-// the activations the B operand (k pairs interleaved, prepared once per call), so C holds y transposed.
+// A decode batch is bound by the weights' bytes and by the tiles, where the integer kernel loses to a float
+// GEMM, but dequantizing the whole matrix to bf16 first (then oneDNN) writes and re-reads twice the bytes of
+// the bf16 model. Here each thread takes 32 weight rows at a time, dequantizes them into a small bf16 panel
+// and multiplies it with TDPBF16PS against every 32 activation rows: the quantized bytes are read once per
+// call, and nothing of the size of the weights is written. The next panel is dequantized a row at a time
+// between the tile instructions of this one (the AVX-512 work overlaps the tile unit) and its bytes are
+// prefetched a panel ahead. The weights are the tiles' A operand (rows of k, as they dequantize) and the
+// activations the B operand (k pairs interleaved, prepared once per call), so C holds y transposed. Every
+// panel re-reads all of x, so prefill-sized calls go to a dequantized float GEMM instead (quant_linear.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,6 +29,7 @@ namespace {
 constexpr int64_t kBlock = 32;     // k per tile step and per quantization block
 constexpr int64_t kPanelRows = 32;  // weight rows per panel: two A tiles of 16 rows
 constexpr int64_t kTileBytes = 1024;
+constexpr int64_t kChunk = 256;     // k per L1-resident chunk of the panel
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -99,9 +103,9 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // x [m_pad, K] bf16 as B tiles: for each k-block and 16 rows, 16 k pairs x 16 rows (VNNI order).
-void pack_activations(const uint16_t* x, int64_t m, int64_t m_pad, int64_t k, uint16_t* out) {
+void pack_activations(const uint16_t* x, int64_t m, int64_t m_begin, int64_t m_end, int64_t k, uint16_t* out) {
   const int64_t blocks = k / kBlock;
-  for (int64_t m0 = 0; m0 < m_pad; m0 += 16) {
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
     for (int64_t b = 0; b < blocks; ++b) {
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i) {
@@ -121,34 +125,70 @@ struct Weights {
   int64_t n, k, bits, group, row_bytes;
 };
 
-// Rows n0..n0+31 (zeros past N) dequantized into panel [32, K] bf16.
-void build_panel(const Weights& w, int64_t n0, uint16_t* panel) {
+// Weight row `row` dequantized into out [K] bf16 (zeros past N).
+void build_row(const Weights& w, int64_t row, uint16_t* out) {
   const int64_t blocks = w.k / kBlock, groups = w.k / w.group, block_bytes = w.bits == 4 ? kBlock / 2 : kBlock;
-  for (int64_t i = 0; i < kPanelRows; ++i) {
-    const int64_t row = n0 + i;
-    uint16_t* out = panel + i * w.k;
-    if (row >= w.n) {
-      std::memset(out, 0, w.k * 2);
-      continue;
+  if (row >= w.n) {
+    std::memset(out, 0, w.k * 2);
+    return;
+  }
+  const uint8_t* q = w.q + row * w.row_bytes;
+  const float* s = w.scales + row * groups;
+  if (w.group == 16) {  // 8 bits, a scale per half block
+    for (int64_t b = 0; b < blocks; ++b) {
+      _mm512_storeu_si512(out + b * kBlock, dequantize_block(q + b * block_bytes, w.bits, s[2 * b], s[2 * b + 1], 0.f));
     }
-    const uint8_t* q = w.q + row * w.row_bytes;
-    const float* s = w.scales + row * groups;
-    if (w.group == 16) {  // 8 bits, a scale per half block
-      for (int64_t b = 0; b < blocks; ++b) {
-        _mm512_storeu_si512(out + b * kBlock, dequantize_block(q + b * block_bytes, w.bits, s[2 * b], s[2 * b + 1], 0.f));
-      }
-      continue;
-    }
-    const float* mn = w.mins ? w.mins + row * groups : nullptr;
-    const int64_t per_group = w.group / kBlock;
-    for (int64_t g = 0, b = 0; g < groups; ++g) {  // groups outer: no division per block
-      const float scale = s[g], min = mn ? mn[g] : 0.f;
-      for (const int64_t e = b + per_group; b < e; ++b) {
-        _mm512_storeu_si512(out + b * kBlock, dequantize_block(q + b * block_bytes, w.bits, scale, scale, min));
-      }
+    return;
+  }
+  const float* mn = w.mins ? w.mins + row * groups : nullptr;
+  const int64_t per_group = w.group / kBlock;
+  for (int64_t g = 0, b = 0; g < groups; ++g) {  // groups outer: no division per block
+    const float scale = s[g], min = mn ? mn[g] : 0.f;
+    for (const int64_t e = b + per_group; b < e; ++b) {
+      _mm512_storeu_si512(out + b * kBlock, dequantize_block(q + b * block_bytes, w.bits, scale, scale, min));
     }
   }
 }
+
+// Builds panel after panel, a few rows at a time, so the dequantizing (AVX-512) runs between the previous
+// panel's tile instructions instead of before them; and prefetches the bytes of the panel after into L2.
+class PanelPipe {
+ public:
+  PanelPipe(const Weights& w, int64_t end_row) : w_(w), end_row_(end_row) {}
+
+  // Starts building the panel at row n0 into `panel`, over `steps` calls of advance().
+  void start(int64_t n0, uint16_t* panel, int64_t steps) {
+    n0_ = n0;
+    panel_ = panel;
+    built_ = step_ = 0;
+    steps_ = std::max<int64_t>(steps, 1);
+    const int64_t ahead = std::min(end_row_, n0 + kPanelRows);
+    prefetch_ = reinterpret_cast<const char*>(w_.q + ahead * w_.row_bytes);
+    prefetch_end_ = reinterpret_cast<const char*>(w_.q + std::min(end_row_, ahead + kPanelRows) * w_.row_bytes);
+    prefetch_lines_ = (prefetch_end_ - prefetch_ + 64 * steps_ - 1) / (64 * steps_);
+  }
+
+  void advance() {
+    ++step_;
+    for (const int64_t want = (kPanelRows * step_ + steps_ - 1) / steps_; built_ < want && built_ < kPanelRows; ++built_) {
+      build_row(w_, n0_ + built_, panel_ + built_ * w_.k);
+    }
+    for (int64_t l = 0; l < prefetch_lines_ && prefetch_ < prefetch_end_; ++l, prefetch_ += 64) {
+      _mm_prefetch(prefetch_, _MM_HINT_T1);
+    }
+  }
+
+  void finish() {
+    while (built_ < kPanelRows) build_row(w_, n0_ + built_, panel_ + built_ * w_.k), ++built_;
+  }
+
+ private:
+  const Weights& w_;
+  int64_t end_row_, n0_ = 0, built_ = 0, step_ = 0, steps_ = 1, prefetch_lines_ = 0;
+  uint16_t* panel_ = nullptr;
+  const char* prefetch_ = nullptr;
+  const char* prefetch_end_ = nullptr;
+};
 
 // c[weight row][activation row] (32 x 32) into y rows (+ residual), bf16: transposed in registers 16 x 16
 // at a time, 32 outputs of a row converted and stored at once.
@@ -213,45 +253,77 @@ torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Te
   // Activations as B tiles, padded with zero rows to whole 32-row blocks.
   const int64_t m_pad = (m + 31) / 32 * 32, blocks = k / kBlock;
   const torch::Tensor xc = x.contiguous();
-  std::vector<uint16_t> packed_storage(m_pad * k + 32);
-  uint16_t* xt = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(packed_storage.data()) + 63) & ~uintptr_t(63));
-  pack_activations(reinterpret_cast<const uint16_t*>(xc.data_ptr()), m, m_pad, k, xt);
+  const torch::Tensor packed = torch::empty({m_pad * k + 32}, x.options());  // not zeroed: every byte is written
+  uint16_t* xt = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(packed.data_ptr()) + 63) & ~uintptr_t(63));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  at::parallel_for(0, m_pad / 16, 4, [&](int64_t begin, int64_t end) {
+    pack_activations(xp, m, begin * 16, end * 16, k, xt);
+  });
   const uint16_t* rp = residual ? reinterpret_cast<const uint16_t*>(residual->data_ptr()) : nullptr;
   auto out = torch::empty({m, n}, x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Weights w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
                   mins ? mins->data_ptr<float>() : nullptr, n, k, bits, group, qweight.size(1)};
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
+  // k in chunks of kChunk: a chunk of the panel (16 KiB) stays in L1 while every activation block passes it;
+  // the C tiles of each activation block wait in `acc` between chunks. The next panel is built meanwhile.
+  const int64_t chunk_blocks = kChunk / kBlock, m_blocks = m_pad / 32;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    std::vector<uint16_t> panel(kPanelRows * k);
+    std::vector<uint16_t> panels_storage(2 * kPanelRows * k);
+    uint16_t* panel_buf[2] = {panels_storage.data(), panels_storage.data() + kPanelRows * k};
+    std::vector<float> acc_storage(m_blocks * 1024 + 16);
+    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_storage.data()) + 63) & ~uintptr_t(63));
     alignas(64) float c[32][32];  // c[weight row][activation row]
+    PanelPipe pipe(w, std::min(n, end * kPanelRows));
+    pipe.start(begin * kPanelRows, panel_buf[0], 1);
+    pipe.finish();
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanelRows, cols = std::min<int64_t>(kPanelRows, n - n0);
-      build_panel(w, n0, panel.data());
-      for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const uint16_t* b0 = xt + (m0 / 16) * blocks * (kTileBytes / 2);
-        const uint16_t* b1 = b0 + blocks * (kTileBytes / 2);
-        for (int64_t b = 0; b < blocks; ++b) {
-          _tile_loadd(4, panel.data() + b * kBlock, k * 2);
-          _tile_loadd(5, panel.data() + 16 * k + b * kBlock, k * 2);
-          _tile_loadd(6, b0 + b * (kTileBytes / 2), 64);
-          _tile_loadd(7, b1 + b * (kTileBytes / 2), 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+      const uint16_t* panel = panel_buf[(p - begin) & 1];
+      const bool has_next = p + 1 < end;
+      if (has_next) pipe.start(n0 + kPanelRows, panel_buf[(p + 1 - begin) & 1], m_blocks * blocks);
+      for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
+        const int64_t b1 = std::min(blocks, b0 + chunk_blocks);
+        const bool first = b0 == 0, last = b1 == blocks;
+        for (int64_t mb = 0; mb < m_blocks; ++mb) {
+          float* a = acc + mb * 1024;  // this block's C tiles: [32 weight rows][32 activation rows]
+          if (first) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            _tile_loadd(0, a, 128);
+            _tile_loadd(1, a + 16, 128);
+            _tile_loadd(2, a + 512, 128);
+            _tile_loadd(3, a + 528, 128);
+          }
+          const uint16_t* x0 = xt + 2 * mb * blocks * (kTileBytes / 2);
+          const uint16_t* x1 = x0 + blocks * (kTileBytes / 2);
+          for (int64_t b = b0; b < b1; ++b) {
+            _tile_loadd(4, panel + b * kBlock, k * 2);
+            _tile_loadd(5, panel + 16 * k + b * kBlock, k * 2);
+            _tile_loadd(6, x0 + b * (kTileBytes / 2), 64);
+            _tile_loadd(7, x1 + b * (kTileBytes / 2), 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            if (has_next) pipe.advance();
+          }
+          float* dst = last ? &c[0][0] : a;
+          _tile_stored(0, dst, 128);
+          _tile_stored(1, dst + 16, 128);
+          _tile_stored(2, dst + 512, 128);
+          _tile_stored(3, dst + 528, 128);
+          if (last) {
+            const int64_t m0 = mb * 32;
+            store_block(c, std::min<int64_t>(32, m - m0), cols, yp + m0 * n + n0, rp ? rp + m0 * n + n0 : nullptr, n);
+          }
         }
-        _tile_stored(0, &c[0][0], 128);
-        _tile_stored(1, &c[0][16], 128);
-        _tile_stored(2, &c[16][0], 128);
-        _tile_stored(3, &c[16][16], 128);
-        store_block(c, std::min<int64_t>(32, m - m0), cols, yp + m0 * n + n0, rp ? rp + m0 * n + n0 : nullptr, n);
       }
+      if (has_next) pipe.finish();
     }
     _tile_release();
   });
