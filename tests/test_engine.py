@@ -44,11 +44,9 @@ def test_stop_string_spanning_tokens_is_cut(llm):
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     full = llm.generate([PROMPT], greedy)[0].outputs[0]
     pieces = [llm.tokenizer.decode([t]) for t in full.token_ids]
-    # A stop string made of the end of one token and the start of the next.
-    i = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
-    stop = pieces[i][-2:] + pieces[i + 1][:2]
-    prefix_text = "".join(pieces[:i + 1])[:-2]
-    assert stop not in prefix_text
+    # A stop string made of the end of one token and the start of the next, not found earlier in the text.
+    stop = next(stop for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2
+                if (stop := pieces[i][-2:] + pieces[i + 1][:2]) not in "".join(pieces[:i + 1])[:-2])
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop]))[0]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop

@@ -4,6 +4,7 @@ For each --quantization mode, in one run, with the modes' order alternating betw
   SINGLE  one 128-token prompt, 128 greedy output tokens: TTFT and ms per output token, beside llama.cpp's
           llama-bench on the same GGUF with the same threads (tg128 and pp128)
   W1      64 x (128 in, 128 out), output tok/s, against the first mode (the float path)
+  MIX     bench throughput's MIX (128 requests, prompts 64-512, outputs 16-256), output tok/s, the same way
 with the roofline of each: weight bytes read per output token (resident weight bytes: a single stream
 reads them all every token) and the GB/s that implies, against this machine's copy bandwidth measured in
 the same run. Greedy outputs of every mode are compared with the first mode's (first differing token).
@@ -23,11 +24,11 @@ from pagedserve.bench.measure import agreement, length_problems, log, spread
 from pagedserve.bench.report import REPO, machine_line, publish
 from pagedserve.bench.servers import default_gguf
 from pagedserve.bench.throughput import run_engine, single_stream
-from pagedserve.bench.workloads import corpus_tokens, w1
+from pagedserve.bench.workloads import corpus_tokens, mix, w1
 from pagedserve.config import EngineConfig
 
 LLAMA_BENCH = REPO / "build" / "peers" / "llama.cpp" / "build" / "bin" / "llama-bench"
-QUICK = ["--modes", "none,gguf", "--requests", "4", "--length", "16", "--repeats", "1"]
+QUICK = ["--modes", "none,gguf", "--requests", "4", "--length", "16", "--repeats", "1", "--mix-requests", "4"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of every system")
     p.add_argument("--requests", type=int, default=64, help="W1 requests")
     p.add_argument("--length", type=int, default=128, help="prompt and output tokens of W1 and SINGLE")
+    p.add_argument("--mix-requests", type=int, default=128, help="MIX requests (0: skip MIX)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the modes; the order reverses every round")
     p.add_argument("--kv-cache-memory", default="2GiB",
                    help="KV pool of each engine: W1 fits without preemption (as in `bench throughput`)")
@@ -83,14 +85,17 @@ def run_args(args: argparse.Namespace) -> int:
                                          kv_cache_memory=args.kv_cache_memory)) for m in modes}
     base = engines[modes[0]]
     tokens = corpus_tokens(base.tokenizer)
-    jobs, single = w1(tokens, args.requests, args.length, args.length), w1(tokens, 1, args.length, args.length)[0]
+    single = w1(tokens, 1, args.length, args.length)[0]
+    workloads = {"W1": w1(tokens, args.requests, args.length, args.length)}
+    if args.mix_requests:
+        workloads["MIX"] = mix(tokens, args.mix_requests)
     for eng in engines.values():  # the same warm-up for each
         run_engine(eng, w1(tokens, 4, 16, 16))
     bandwidth = copy_bandwidth_gbs()
     log(f"copy bandwidth {bandwidth:.1f} GB/s")
     singles = {m: [] for m in modes}
     ttfts = {m: [] for m in modes}
-    tps = {m: [] for m in modes}
+    tps = {name: {m: [] for m in modes} for name in workloads}
     outputs, problems = {}, []
     for r in range(args.repeats):
         for m in (modes if r % 2 == 0 else modes[::-1]):
@@ -98,40 +103,52 @@ def run_args(args: argparse.Namespace) -> int:
             ttft, ms = single_stream(eng, single)
             singles[m].append(ms)
             ttfts[m].append(ttft * 1e3)
-            eng.kv.reset_prefix_cache()
-            preempted = eng.scheduler.num_preemptions
-            run = run_engine(eng, jobs)
-            if eng.scheduler.num_preemptions != preempted:
-                problems.append(f"W1 {m}: preempted {eng.scheduler.num_preemptions - preempted} times (pool too small)")
-            tps[m].append(run.output_tps)
-            outputs.setdefault(m, run.outputs)
-            problems += length_problems(f"W1 {m}", run, jobs)
-            log(f"round {r + 1} {m}: single {ms:.1f} ms/token, W1 {run.output_tps:.0f} tok/s")
+            for name, jobs in workloads.items():
+                run = throughput(eng, f"{name} {m}", jobs, problems)
+                tps[name][m].append(run.output_tps)
+                if name == "W1":
+                    outputs.setdefault(m, run.outputs)
+            log(f"round {r + 1} {m}: single {ms:.1f} ms/token, " +
+                ", ".join(f"{name} {tps[name][m][-1]:.0f} tok/s" for name in workloads))
     peer = llama_bench(args.llama_bench, args.threads, args.length)
     body = render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth)
     return publish("Quantized weights (speed)", body, problems, args.docs, not args.no_write)
 
 
+def throughput(eng, label: str, jobs, problems: list[str]):
+    """One run of jobs on a cold prefix cache; a preemption or a wrong length is a problem of the run."""
+    eng.kv.reset_prefix_cache()
+    preempted = eng.scheduler.num_preemptions
+    run = run_engine(eng, jobs)
+    if eng.scheduler.num_preemptions != preempted:
+        problems.append(f"{label}: preempted {eng.scheduler.num_preemptions - preempted} times (pool too small)")
+    problems += length_problems(label, run, jobs)
+    return run
+
+
 def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
-    modes = list(engines)
-    base_tps = statistics.median(tps[modes[0]])
+    modes, names = list(engines), list(tps)
     kernels = ", ".join(sorted({e.weights_info["quant_kernel"] for e in engines.values()} - {"none"})) or "none"
     lines = [(f"Command: `pagedserve bench quantization --modes {args.modes} --threads {args.threads} "
-             f"--requests {args.requests} --length {args.length} --repeats {args.repeats} "
-             f"--kv-cache-memory {args.kv_cache_memory}`"), "", machine_line(), "",
-             ("| mode | dtype | weights MB | SINGLE ms/token | SINGLE TTFT ms | weight GB/s at one stream | "
-             f"W1 output tok/s | W1 vs {modes[0]} | greedy vs {modes[0]}: identical, median first difference |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"--requests {args.requests} --length {args.length} --mix-requests {args.mix_requests} "
+             f"--repeats {args.repeats} --kv-cache-memory {args.kv_cache_memory}`"), "", machine_line(), "",
+             ("| mode | dtype | weights MB | SINGLE ms/token | SINGLE TTFT ms | weight GB/s at one stream | " +
+              "".join(f"{name} output tok/s | {name} vs {modes[0]} | " for name in names) +
+              f"greedy W1 vs {modes[0]}: identical, median first difference |"),
+             "|---|---|---|---|---|---|" + "---|---|" * len(names) + "---|"]
     for m, eng in engines.items():
         ms = statistics.median(singles[m])
         same, n, first = agreement(outputs[m], outputs[modes[0]])
+        ratios = "".join(f"{spread(tps[name][m], '{:.0f}')} | "
+                         f"{statistics.median(tps[name][m]) / statistics.median(tps[name][modes[0]]):.2f}x | "
+                         for name in names)
         lines.append(f"| {m} | {str(eng.dtype).removeprefix('torch.')} | {eng.weight_bytes / 1e6:.0f} | "
                      f"{spread(singles[m])} | {spread(ttfts[m], '{:.0f}')} | {eng.weight_bytes / ms / 1e6:.1f} | "
-                     f"{spread(tps[m], '{:.0f}')} | {statistics.median(tps[m]) / base_tps:.2f}x | "
-                     f"{same}/{n}, {first:.0f} of {args.length} |")
+                     f"{ratios}{same}/{n}, {first:.0f} of {args.length} |")
     if peer:
         lines.append(f"| llama.cpp (llama-bench, same GGUF) | - | - | {peer['tg_ms']:.1f} | "
-                     f"{args.length / peer['pp_tps'] * 1e3:.0f} (pp{args.length}) | - | - | - | - |")
+                     f"{args.length / peer['pp_tps'] * 1e3:.0f} (pp{args.length}) | - | " + "- | - | " * len(names) +
+                     "- |")
     lines += ["", (f"- Copy bandwidth of this machine in the same run: {bandwidth:.1f} GB/s (read + write). Weight "
               "GB/s: resident weight bytes / ms per token (a single stream reads every weight each token; the "
               "KV cache and activations are not counted)."),
@@ -139,5 +156,6 @@ def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
               "order reverses every round."),
               (f"- Kernels (integer path for calls under 8 rows + large-M path): {kernels}. The integer path "
               "quantizes activations per 32 to int16; `amx` multiplies bf16 tiles over weights dequantized 32 rows at "
-              "a time; `dequant` dequantizes whole matrices into a float GEMM.")]
+              "a time (calls up to 512 rows; prefill chunks beyond that take `dequant`); `dequant` dequantizes whole "
+              "matrices into a float GEMM.")]
     return "\n".join(lines)
