@@ -51,7 +51,11 @@ class HealthMonitor:
             await asyncio.sleep(self.interval_s)
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(r) for r in self.replicas))
+        # The prefill pool first: its KV layout is what the others are checked against, so a decode replica
+        # whose blocks could not move is never admitted for want of a layout to compare with.
+        prefill = [r for r in self.replicas if r.kv_role == "prefill"]
+        await asyncio.gather(*(self.probe(r) for r in prefill))
+        await asyncio.gather(*(self.probe(r) for r in self.replicas if r not in prefill))
 
     async def probe(self, replica: Replica) -> None:
         ok, reason = await self._check(replica)

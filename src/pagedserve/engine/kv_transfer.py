@@ -60,7 +60,7 @@ class KVTransfer:
         self.leases[lease.lease_id] = lease
         return lease
 
-    def export(self, lease_id: str, start: int, end: int | None = None) -> bytes:
+    def export(self, lease_id: str, start: int, end: int | None = None) -> memoryview:
         lease = self.live(lease_id)
         return self.runner.export_blocks(lease.block_ids[start:end])
 

@@ -1,6 +1,8 @@
 """Owns the model and the KV pool; turns a scheduled batch into tensors and runs one forward pass."""
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 
 import torch
@@ -144,9 +146,10 @@ class ModelRunner:
         return (ids[:, None] * per_block + torch.arange(per_block)).flatten()
 
     @torch.inference_mode()
-    def export_blocks(self, block_ids: list[int]) -> bytes:
-        """The blocks' KV as stored (quantized blocks at their quantized size), layer by layer. Only full blocks
-        travel, so int4 keys are never in a tail."""
+    def export_blocks(self, block_ids: list[int]) -> memoryview:
+        """The blocks' KV as stored (quantized blocks at their quantized size), layer by layer: a view of the one
+        buffer they were gathered into (a copy into bytes would cost as much again). Only full blocks travel, so
+        int4 keys are never in a tail."""
         out, offset = torch.empty(self.export_size(len(block_ids)), dtype=torch.uint8), 0
         for layer in self.kv_caches:
             for t, per_block in self.block_tensors(layer):  # gathered straight into the payload: no concatenation
@@ -154,21 +157,23 @@ class ModelRunner:
                 size = t.element_size() * int(t[0].numel()) * len(rows)
                 torch.index_select(t, 0, rows, out=out[offset:offset + size].view(t.dtype).view(len(rows), *t.shape[1:]))
                 offset += size
-        return out.numpy().tobytes()
+        return memoryview(out.numpy())
 
     def export_size(self, num_blocks: int) -> int:
         return sum(t.element_size() * int(t[0].numel()) * per_block * num_blocks
                    for layer in self.kv_caches for t, per_block in self.block_tensors(layer))
 
     @torch.inference_mode()
-    def import_blocks(self, block_ids: list[int], data: bytes, num_blocks: int) -> None:
+    def import_blocks(self, block_ids: list[int], data: bytes | memoryview, num_blocks: int) -> None:
         """Writes the first len(block_ids) of the num_blocks blocks export_blocks put in data into these."""
         if len(data) != self.export_size(num_blocks):
             raise ValueError(f"KV data of {len(data)} bytes for {num_blocks} blocks; expected "
                              f"{self.export_size(num_blocks)} (another model, block size or KV format?)")
         if self.tails is not None:
             self.tails.release(block_ids)
-        raw, offset = torch.frombuffer(bytearray(data), dtype=torch.uint8), 0
+        with warnings.catch_warnings():  # read only, never written: no writable copy needed
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw, offset = torch.frombuffer(data, dtype=torch.uint8), 0
         for layer in self.kv_caches:
             for t, per_block in self.block_tensors(layer):
                 rows = self._rows(block_ids, per_block)

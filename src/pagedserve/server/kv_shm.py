@@ -11,7 +11,7 @@ from multiprocessing import resource_tracker, shared_memory
 from urllib.parse import urlsplit
 
 
-def write(data: bytes) -> str:
+def write(data: bytes | memoryview) -> str:
     segment = shared_memory.SharedMemory(create=True, size=max(len(data), 1))
     segment.buf[:len(data)] = data
     # The reader unlinks it: keep this process's resource tracker from unlinking (and warning) at exit.

@@ -194,7 +194,7 @@ def kv_routes(state) -> APIRouter:
     return router
 
 
-def _export(engine, lease_id: str, start: int) -> tuple[bytes, int]:
+def _export(engine, lease_id: str, start: int) -> tuple[memoryview, int]:
     lease = engine.kv_transfer.live(lease_id)
     count = max(len(lease.block_ids) - start, 0)
     return engine.kv_transfer.export(lease_id, start), count
