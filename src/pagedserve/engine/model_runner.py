@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass
 
 import torch
