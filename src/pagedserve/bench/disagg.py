@@ -267,8 +267,10 @@ def render(args, transfer: list[dict], rows, figure: Path | None) -> str:
 
 NOTES = ("- Where the time goes, by construction of this setup: the disaggregated pair has one core for every "
          "prefill of a long prompt where the co-located pair has two (chats' short prompts skip the prefill pool, "
-         "disagg_min_prompt_tokens 256, and are computed on the decode worker); the decode worker imports each long prompt's blocks "
-         "on its step thread (the pull column), a pause for the chats it is decoding. The co-located replicas "
+         "disagg_min_prompt_tokens 256, and are computed on the decode worker), and one decode worker decodes every "
+         "chat, twice the batch of each co-located replica; it also imports each long prompt's blocks on its step "
+         "thread (a part of the pull column: the rest is the transfer), a pause for the chats it is decoding. The "
+         "co-located replicas "
          "already bound a long prompt's interference with chunked prefill (token-budgeted steps), so their "
          "chats' ITL has little to win back. TTFT of 2-4k-token prompts on one core is several seconds either "
          "way, so goodput counts mostly chats.")
