@@ -19,13 +19,17 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pagedserve.bench.measure import agreement, length_problems, log, spread
+from pagedserve.bench.measure import Run, agreement, length_problems, log, spread
 from pagedserve.bench.report import REPO, machine_line, publish
 from pagedserve.bench.servers import default_gguf
 from pagedserve.bench.throughput import run_engine, single_stream
-from pagedserve.bench.workloads import corpus_tokens, mix, w1
+from pagedserve.bench.workloads import Job, corpus_tokens, mix, w1
 from pagedserve.config import EngineConfig
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
 
 LLAMA_BENCH = REPO / "build" / "peers" / "llama.cpp" / "build" / "bin" / "llama-bench"
 QUICK = ["--modes", "none,gguf", "--requests", "4", "--length", "16", "--repeats", "1", "--mix-requests", "4"]
@@ -115,7 +119,7 @@ def run_args(args: argparse.Namespace) -> int:
     return publish("Quantized weights (speed)", body, problems, args.docs, not args.no_write)
 
 
-def throughput(eng, label: str, jobs, problems: list[str]):
+def throughput(eng: LLMEngine, label: str, jobs: list[Job], problems: list[str]) -> Run:
     """One run of jobs on a cold prefix cache; a preemption or a wrong length is a problem of the run."""
     eng.kv.reset_prefix_cache()
     preempted = eng.scheduler.num_preemptions

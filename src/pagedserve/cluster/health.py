@@ -53,9 +53,8 @@ class HealthMonitor:
     async def probe_all(self) -> None:
         # The prefill pool first: its KV layout is what the others are checked against, so a decode replica
         # whose blocks could not move is never admitted for want of a layout to compare with.
-        prefill = [r for r in self.replicas if r.kv_role == "prefill"]
-        await asyncio.gather(*(self.probe(r) for r in prefill))
-        await asyncio.gather(*(self.probe(r) for r in self.replicas if r not in prefill))
+        await asyncio.gather(*(self.probe(r) for r in self.replicas if r.kv_role == "prefill"))
+        await asyncio.gather(*(self.probe(r) for r in self.replicas if r.kv_role != "prefill"))
 
     async def probe(self, replica: Replica) -> None:
         ok, reason = await self._check(replica)

@@ -277,7 +277,7 @@ torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Te
     alignas(64) float c[32][32];  // c[weight row][activation row]
     PanelPipe pipe(w, std::min(n, end * kPanelRows));
     pipe.start(begin * kPanelRows, panel_buf[0], 1);
-    pipe.finish();
+    pipe.advance();  // the whole first panel at once, and the second's bytes on their way
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanelRows, cols = std::min<int64_t>(kPanelRows, n - n0);
       const uint16_t* panel = panel_buf[(p - begin) & 1];
