@@ -14,6 +14,7 @@ gguf = pytest.importorskip("gguf")
 
 KERNEL_PATHS = ["torch"] + ([name for name, code in PATHS.items() if code in cpu_kernels().quant_paths()]
                             if cpu_kernels() is not None else [])
+HAS_AMX = cpu_kernels() is not None and cpu_kernels().quant_amx_available()
 
 
 # K-quants have no quantizer in the gguf package: their blocks are random bytes with finite fp16 scales
@@ -230,6 +231,15 @@ def test_engine_greedy_agrees_with_fp32_per_mode(fp32_reference, mode, bound):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     prefixes = [matching_prefix(o.outputs[0].token_ids, ref) for o, ref in zip(outs, fp32_reference)]
     assert sorted(prefixes)[1] >= bound, prefixes  # all but one prompt agree at least this far
+
+
+def test_auto_quantization_runs_a_gguf_as_stored_only_where_it_pays():
+    from pagedserve.model.quant_linear import resolve_quantization
+
+    assert resolve_quantization("int4", True, torch.bfloat16) == "int4"  # an explicit choice stands
+    assert resolve_quantization("auto", True, torch.float32) == "none"
+    assert resolve_quantization("auto", False, torch.bfloat16) == "none"  # a Hugging Face folder
+    assert resolve_quantization("auto", True, torch.bfloat16) == ("gguf" if HAS_AMX else "none")
 
 
 def test_gguf_mode_needs_a_gguf_and_names_modes():

@@ -4,7 +4,6 @@ Each replica's own /metrics counters say who served what. Order matters: the fai
 kills and restarts a replica.
 """
 import asyncio
-import concurrent.futures
 import json
 import threading
 from dataclasses import dataclass
@@ -145,13 +144,12 @@ def test_router_endpoints_and_errors(replicas, tmp_path):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", max_tokens=-3)
         assert router.replica_states() == {"r0": True, "r1": True}
-        # streaming passes through chunk by chunk
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            texts = list(pool.map(lambda _: "".join(
-                c.choices[0].text for c in client.completions.create(
-                    model="SmolLM2-135M-Instruct", prompt="The sky is", max_tokens=8, temperature=0,
-                    stream=True)), range(4)))
-        assert len(set(texts)) == 1 and texts[0]  # greedy: every replica gives the same text
+        # streaming passes through chunk by chunk. One request at a time: greedy text is the same on every
+        # replica only for the same batch (bf16 sums in another order part at near-ties, as in any engine).
+        texts = ["".join(c.choices[0].text for c in client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt="The sky is", max_tokens=8, temperature=0, stream=True))
+            for _ in range(4)]
+        assert len(set(texts)) == 1 and texts[0]
         metrics = httpx.get(router.url + "/metrics").text
         assert "pagedserve_router_decisions_total" in metrics and "pagedserve_router_replica_healthy" in metrics
 

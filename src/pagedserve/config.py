@@ -13,7 +13,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
 class EngineConfig:
     model: str | None = None  # GGUF file or Hugging Face folder; None: the packaged SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto | float32 | bfloat16
-    quantization: str = "none"  # none | gguf | int8 | int4 (model/quant.py)
+    quantization: str = "auto"  # auto | none | gguf | int8 | int4 (model/quant.py; auto: resolve_quantization)
     block_size: int = 16
     kv_cache_memory: str = "512MiB"  # size of the one preallocated KV pool
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | bfloat16 | float32 | fp8 | fp8_e4m3 | fp8_e5m2 | int8
@@ -52,9 +52,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=d.model, help="GGUF file or HF folder (default: packaged SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                    help="compute dtype; auto: bfloat16 where the CPU runs it natively (AVX-512, AMX), else float32")
-    g.add_argument("--quantization", default=d.quantization, choices=["none", "gguf", "int8", "int4"],
+    g.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "gguf", "int8", "int4"],
                    help="weights: none (dequantized to the dtype), gguf (a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors as "
-                        "stored), int8 (per channel) or int4 (groups of 32) quantized at load from any model")
+                        "stored), int8 (per channel) or int4 (groups of 32) quantized at load from any model; auto "
+                        "(default): gguf for a GGUF model run in bfloat16 on a CPU with AMX, where it is faster at "
+                        "every batch size, else none")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="size of the KV pool, e.g. 512MiB or 2GiB")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),

@@ -25,10 +25,10 @@ from pagedserve.engine.structured_output import GrammarCompiler, advance
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.loader import load_model
+from pagedserve.model.loader import is_gguf, load_model
 from pagedserve.model.lora import LoRAAdapter
 from pagedserve.model.quant import QUANTIZATIONS
-from pagedserve.model.quant_linear import gemm_path, kernel_path, quantized_bytes
+from pagedserve.model.quant_linear import gemm_path, kernel_path, quantized_bytes, resolve_quantization
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -112,19 +112,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         if config.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {config.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-        loaded = load_model(config.model, config.quantization)
+        self.quantization = resolve_quantization(config.quantization, is_gguf(config.model), self.dtype)
+        loaded = load_model(config.model, self.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.config.name
         self.eos_token_ids = loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
         model = LlamaForCausalLM(loaded.config, loaded.weights.pop("rope_freqs", None))
         model.load_weights(loaded.weights)
-        if config.quantization in ("int8", "int4"):
-            model.quantize_linears(config.quantization)
+        if self.quantization in ("int8", "int4"):
+            model.quantize_linears(self.quantization)
         model.to(self.dtype).eval()
         self.weight_bytes = quantized_bytes(model)
-        self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": config.quantization,
-                             "quant_kernel": f"{kernel_path()}+{gemm_path()}" if config.quantization != "none" else "none",
+        self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
+                             "quant_kernel": f"{kernel_path()}+{gemm_path()}" if self.quantization != "none" else "none",
                              "weight_bytes": self.weight_bytes}
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
         pool_bytes = parse_size(config.kv_cache_memory) - ModelRunner.fixed_bytes(
@@ -158,7 +159,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("loaded %s (%s, quantization %s, weights %.1f MB resident) in %.1fs: %d KV blocks of %d "
-                    "tokens in %s (%d tokens), max_model_len %d", self.model_name, self.dtype, config.quantization,
+                    "tokens in %s (%d tokens), max_model_len %d", self.model_name, self.dtype, self.quantization,
                     self.weight_bytes / 1e6, time.perf_counter() - t0, num_blocks, config.block_size,
                     self.kv_format.name, num_blocks * config.block_size, self.max_model_len)
 

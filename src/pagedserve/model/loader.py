@@ -53,6 +53,11 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
+def is_gguf(model: str | None) -> bool:
+    """Whether the model is a GGUF file (the packaged default is), not a Hugging Face folder."""
+    return model is None or not Path(model).is_dir()
+
+
 def load_model(model: str | None, quantization: str = "none") -> LoadedModel:
     """quantization `gguf` keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored; everything else loads as float32."""
     path = default_model_path() if model is None else Path(model)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")  # auto: quant_linear.resolve_quantization
 GGUF_BLOCK = 32
 K_BLOCK = 256  # the K-quants' super-block
 # GGUF type name -> (bytes per block, weights per block): the types that run as stored.

@@ -5,7 +5,7 @@ Paths, forced with PAGEDSERVE_QUANT_KERNEL for tests and measurements:
 - `avx2`: the same arithmetic on AVX2 (madd_epi16), weights widened once per row into an L1 buffer.
 - `scalar`: the same arithmetic in portable C++ (any CPU the extension builds on).
 - `torch`: dequantize in PyTorch, then F.linear (no C++ compiler).
-Calls of DEQUANT_MIN_ROWS rows or more (batches, prefill) go to a float GEMM. Up to AMX_MAX_ROWS rows, with
+Calls of DEQUANT_MIN_ROWS rows or more (AMX_MIN_ROWS with the tiles; batches, prefill) go to a float GEMM. Up to AMX_MAX_ROWS rows, with
 bf16 activations on a CPU with AMX, our tile kernel dequantizes 32 weight rows at a time into an L1/L2-resident
 bf16 panel and multiplies it on the tiles (`amx`); longer calls (prefill chunks), and every large call without
 AMX, dequantize the weights whole into the activation dtype for oneDNN/MKL (`dequant`): there the panel kernel
@@ -30,6 +30,9 @@ DEQUANT_MIN_ROWS = 8
 # Measured over the default model's 120 linears (2 threads, AMX Xeon): the tile kernel beats bf16 oneDNN at
 # 64-128 rows, ties at 512, and loses to dequantize + oneDNN from 1024 (137 vs 129 ms; 2.2x at 2048).
 AMX_MAX_ROWS = 512
+# Where the tiles take over from the integer kernel (same 120 linears + LM head, bf16 activations): 4 rows
+# 10.0 vs 11.2 ms, 5 rows 12.8 vs 11.9, 7 rows 16.4 vs 11.9.
+AMX_MIN_ROWS = 5
 
 
 @cache
@@ -59,6 +62,23 @@ def gemm_path() -> str:
     return wanted
 
 
+def few_rows_limit(dtype: torch.dtype) -> int:
+    """Calls of fewer rows take the integer kernel; more go to the GEMM path."""
+    return AMX_MIN_ROWS if dtype == torch.bfloat16 and gemm_path() == "amx" else DEQUANT_MIN_ROWS
+
+
+def resolve_quantization(requested: str, model_is_gguf: bool, dtype: torch.dtype) -> str:
+    """`auto`: `gguf` for a GGUF model computed in bf16 on a CPU with AMX tiles, where running the stored
+    weights was measured faster than the dequantized model at every batch size (one stream 2x, batches of 64
+    1.1x) at the same perplexity; `none` elsewhere: without AMX a batch dequantizes whole matrices per call.
+    The kernels a process is forced to use do not change the answer."""
+    if requested != "auto":
+        return requested
+    kernels = cpu_kernels()
+    amx = kernels is not None and kernels.quant_amx_available()
+    return "gguf" if model_is_gguf and dtype == torch.bfloat16 and amx else "none"
+
+
 def _forced(path: str) -> bool:
     """Whether PAGEDSERVE_QUANT_GEMM names this large-M path (then it runs at every M)."""
     return os.environ.get("PAGEDSERVE_QUANT_GEMM") == path
@@ -69,7 +89,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_row
     """x [M, K] @ W^T (+ residual) in x's dtype."""
     if path == "torch":
         y = F.linear(x, w.dequantize().to(x.dtype))
-    elif x.shape[0] >= (DEQUANT_MIN_ROWS if dequant_min_rows is None else dequant_min_rows):
+    elif x.shape[0] >= (few_rows_limit(x.dtype) if dequant_min_rows is None else dequant_min_rows):
         if x.dtype == torch.bfloat16 and gemm_path() == "amx" and (x.shape[0] <= AMX_MAX_ROWS or _forced("amx")):
             return cpu_kernels().quant_linear_amx(x, w.qweight, w.scales, w.mins, w.bits, w.group,
                                                   None if residual is None else residual.contiguous())
