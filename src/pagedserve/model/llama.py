@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.attention import AttentionMetadata, paged_attention
+from pagedserve.model.decode_stack import build_decode_stack, run_decode_stack, stack_takes
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.kv_cache_dtype import LayerKVCache
 from pagedserve.model.linear import Linear, can_pack, pack_linears
@@ -169,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.kernels: Any | None = None
+        self.decode_stack: Any | None = None  # model/decode_stack.py, set by use_fast_path where it applies
 
     def use_fast_path(self, use_kernels: bool) -> None:
         """After loading, in the final dtype: bf16 on CPU prepacks the linears and runs the fused C++ ops."""
@@ -177,12 +179,16 @@ class LlamaForCausalLM(nn.Module):
             pack_linears(self)
         if use_kernels and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
             self.kernels = cpu_kernels()
+            self.decode_stack = build_decode_stack(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata, block_size: int, lora: LoRABatch | None = None) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; logits are computed only where a token is sampled."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.tables(positions, torch.float32 if self.kernels is not None else x.dtype)
+        if self.decode_stack is not None and lora is None and stack_takes(x.shape[0], meta, kv_caches):
+            x = run_decode_stack(self.decode_stack, x, cos, sin, meta, block_size, kv_caches)
+            return self.norm(x, self.kernels)
         ctx = StepContext(meta, block_size, cos, sin, self.kernels, lora)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, kv, ctx)

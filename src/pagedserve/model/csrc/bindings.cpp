@@ -37,7 +37,10 @@ void lora_sgmv(torch::Tensor y, torch::Tensor x, torch::Tensor index, torch::Ten
 
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
 
+void register_decode_stack(py::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decode_stack(m);
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_tail") = py::none(),
