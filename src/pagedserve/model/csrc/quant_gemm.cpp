@@ -2,8 +2,8 @@
 //
 // Weights are planar: qweight [N, K] int8 (8 bits) or [N, K/2] uint8 (4 bits: in each 32-wide group, byte j
 // holds k = j in its low nibble and k = j + 16 in its high one, as GGML stores them), scales [N, K/group]
-// fp32 and, for asymmetric 4 bits, mins [N, K/group]: w = scale * q + min. Groups are multiples of 32, or
-// 16 for 8 bits (GGUF Q6_K's sub-blocks: each 32-block then has a scale per half).
+// fp32 or fp16 (quant_params.h) and, for asymmetric 4 bits, mins [N, K/group] alike: w = scale * q + min.
+// Groups are multiples of 32, or 16 for 8 bits (GGUF Q6_K's sub-blocks: each 32-block then has a scale per half).
 //
 // Small M (decode) is bandwidth-bound: each weight byte is read once and multiplied in integers against the
 // activations quantized per 32 to int16 (AVX2 madd_epi16), with the exact float sum of each 32 for the min
@@ -22,6 +22,8 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+#include "quant_params.h"
 
 namespace {
 
@@ -319,15 +321,13 @@ void check_weights(const torch::Tensor& qweight, const torch::Tensor& scales, co
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(k % kBlock == 0 && (group % kBlock == 0 || (group == 16 && bits == 8)) && k % group == 0,
               "K must be a multiple of 32 and the group too (or 16, with 8 bits)");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "qweight and scales must be contiguous");
+  TORCH_CHECK(qweight.is_contiguous(), "qweight must be contiguous");
   TORCH_CHECK(qweight.size(1) == (bits == 4 ? k / 2 : k), "qweight width does not match K");
   TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? torch::kUInt8 : torch::kInt8), "qweight dtype does not match bits");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.size(0) == qweight.size(0) && scales.size(1) == k / group,
-              "scales must be fp32 [N, K/group]");
-  if (mins) {
-    TORCH_CHECK(bits == 4 && mins->is_contiguous() && mins->sizes() == scales.sizes() &&
-                mins->scalar_type() == torch::kFloat, "mins must be fp32 like scales (4 bits only)");
-  }
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == qweight.size(0) && scales.size(1) == k / group,
+              "scales must be [N, K/group]");
+  TORCH_CHECK(!mins || bits == 4, "mins are for 4 bits only");
+  group_params(scales, mins);  // dtypes and layout
 }
 
 }  // namespace
@@ -358,8 +358,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   const int64_t blocks = k / kBlock, per_group = std::max<int64_t>(1, group / kBlock), row_bytes = qweight.size(1);
   const int64_t block_bytes = bits == 4 ? kBlock / 2 : kBlock;
   const uint8_t* wq = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const float* ws = scales.data_ptr<float>();
-  const float* wm = mins ? mins->data_ptr<float>() : nullptr;
+  const GroupParams params = group_params(scales, mins);
+  const bool has_mins = mins.has_value();
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   if (residual) {
     TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == x.scalar_type() &&
@@ -374,8 +374,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   // Rows per task: enough weight bytes that waking a thread pays for itself.
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, row_bytes));
   const int64_t groups = k / group;
-  std::vector<float> xgroup(wm ? m * groups : 0);  // activation sums per weight group, for the min term
-  for (int64_t r = 0; wm && r < m; ++r) {
+  std::vector<float> xgroup(has_mins ? m * groups : 0);  // activation sums per weight group, for the min term
+  for (int64_t r = 0; has_mins && r < m; ++r) {
     for (int64_t b = 0; b < blocks; ++b) xgroup[r * groups + b / per_group] += xq.sum[r * blocks + b];
   }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -389,10 +389,12 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float part[4];
     std::vector<int16_t> widened(path == kAvx2 ? k : 0);
+    std::vector<float> widened_params(2 * groups);
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* wrow = wq + row * row_bytes;
-      const float* srow = ws + row * groups;
-      const float* mrow = wm ? wm + row * groups : nullptr;
+      const float* srow;
+      const float* mrow;
+      params.row(row, widened_params.data(), srow, mrow);
 #if defined(__AVX2__)
       if (path == kAvx2) widen_row(wrow, bits, blocks, widened.data());
 #endif
@@ -474,22 +476,24 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, c10:
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "dtype must be fp32 or bf16");
   auto out = torch::empty({n, k}, qweight.options().dtype(dtype));
   const uint8_t* wq = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const float* ws = scales.data_ptr<float>();
-  const float* wm = mins ? mins->data_ptr<float>() : nullptr;
+  const GroupParams params = group_params(scales, mins);
   const int64_t row_bytes = qweight.size(1), groups = k / group;
   const int64_t per_group = std::max<int64_t>(1, group / kBlock), block_bytes = bits == 4 ? kBlock / 2 : kBlock;
   at::parallel_for(0, n, std::max<int64_t>(1, (1 << 14) / k), [&](int64_t begin, int64_t end) {
-    std::vector<float> values(k);
+    std::vector<float> values(k), widened_params(2 * groups);
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* w = wq + row * row_bytes;
+      const float* ws;
+      const float* wm;
+      params.row(row, widened_params.data(), ws, wm);
       for (int64_t b = 0; b < k / kBlock; ++b) {
-        const int64_t g = row * groups + b / per_group;
+        const int64_t g = b / per_group;
         const float sw = ws[g], mw = wm ? wm[g] : 0.f;
         const uint8_t* wb = w + b * block_bytes;
         float* v = values.data() + b * kBlock;
         if (group == 16) {  // 8 bits, a scale per half block
           const int8_t* q = reinterpret_cast<const int8_t*>(wb);
-          const float* half = ws + row * groups + 2 * b;
+          const float* half = ws + 2 * b;
           for (int j = 0; j < kBlock; ++j) v[j] = half[j / 16] * static_cast<float>(q[j]);
           continue;
         }

@@ -23,6 +23,8 @@
 #include <unistd.h>
 #endif
 
+#include "quant_params.h"
+
 namespace {
 
 #ifdef PAGEDSERVE_AMX
@@ -120,27 +122,27 @@ void pack_activations(const uint16_t* x, int64_t m, int64_t m_begin, int64_t m_e
 
 struct Weights {
   const uint8_t* q;
-  const float* scales;
-  const float* mins;
+  GroupParams params;
   int64_t n, k, bits, group, row_bytes;
 };
 
-// Weight row `row` dequantized into out [K] bf16 (zeros past N).
-void build_row(const Weights& w, int64_t row, uint16_t* out) {
+// Weight row `row` dequantized into out [K] bf16 (zeros past N); params_buf holds 2 * groups floats.
+void build_row(const Weights& w, int64_t row, uint16_t* out, float* params_buf) {
   const int64_t blocks = w.k / kBlock, groups = w.k / w.group, block_bytes = w.bits == 4 ? kBlock / 2 : kBlock;
   if (row >= w.n) {
     std::memset(out, 0, w.k * 2);
     return;
   }
   const uint8_t* q = w.q + row * w.row_bytes;
-  const float* s = w.scales + row * groups;
+  const float* s;
+  const float* mn;
+  w.params.row(row, params_buf, s, mn);
   if (w.group == 16) {  // 8 bits, a scale per half block
     for (int64_t b = 0; b < blocks; ++b) {
       _mm512_storeu_si512(out + b * kBlock, dequantize_block(q + b * block_bytes, w.bits, s[2 * b], s[2 * b + 1], 0.f));
     }
     return;
   }
-  const float* mn = w.mins ? w.mins + row * groups : nullptr;
   const int64_t per_group = w.group / kBlock;
   for (int64_t g = 0, b = 0; g < groups; ++g) {  // groups outer: no division per block
     const float scale = s[g], min = mn ? mn[g] : 0.f;
@@ -154,7 +156,7 @@ void build_row(const Weights& w, int64_t row, uint16_t* out) {
 // panel's tile instructions instead of before them; and prefetches the bytes of the panel after into L2.
 class PanelPipe {
  public:
-  PanelPipe(const Weights& w, int64_t end_row) : w_(w), end_row_(end_row) {}
+  PanelPipe(const Weights& w, int64_t end_row) : w_(w), end_row_(end_row), params_(2 * w.params.groups) {}
 
   // Starts building the panel at row n0 into `panel`, over `steps` calls of advance().
   void start(int64_t n0, uint16_t* panel, int64_t steps) {
@@ -171,7 +173,7 @@ class PanelPipe {
   void advance() {
     ++step_;
     for (const int64_t want = (kPanelRows * step_ + steps_ - 1) / steps_; built_ < want && built_ < kPanelRows; ++built_) {
-      build_row(w_, n0_ + built_, panel_ + built_ * w_.k);
+      build_row(w_, n0_ + built_, panel_ + built_ * w_.k, params_.data());
     }
     for (int64_t l = 0; l < prefetch_lines_ && prefetch_ < prefetch_end_; ++l, prefetch_ += 64) {
       _mm_prefetch(prefetch_, _MM_HINT_T1);
@@ -179,7 +181,7 @@ class PanelPipe {
   }
 
   void finish() {
-    while (built_ < kPanelRows) build_row(w_, n0_ + built_, panel_ + built_ * w_.k), ++built_;
+    while (built_ < kPanelRows) build_row(w_, n0_ + built_, panel_ + built_ * w_.k, params_.data()), ++built_;
   }
 
  private:
@@ -188,6 +190,7 @@ class PanelPipe {
   uint16_t* panel_ = nullptr;
   const char* prefetch_ = nullptr;
   const char* prefetch_end_ = nullptr;
+  std::vector<float> params_;  // a row's scales and mins widened to fp32 (fp16 storage)
 };
 
 // c[weight row][activation row] (32 x 32) into y rows (+ residual), bf16: transposed in registers 16 x 16
@@ -242,10 +245,8 @@ torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Te
               "K must be a multiple of 32 and the group too (or 16, with 8 bits)");
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && qweight.size(1) == (bits == 4 ? k / 2 : k),
               "qweight must be a contiguous [N, K (/2 for 4 bits)]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.size(0) == n && scales.size(1) == k / group,
-              "scales must be fp32 [N, K/group]");
-  TORCH_CHECK(!mins || (bits == 4 && mins->is_contiguous() && mins->sizes() == scales.sizes()),
-              "mins must be like scales (4 bits only)");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == k / group, "scales must be [N, K/group]");
+  TORCH_CHECK(!mins || bits == 4, "mins are for 4 bits only");
   if (residual) {
     TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == torch::kBFloat16 && residual->dim() == 2 &&
                 residual->size(0) == m && residual->size(1) == n, "residual must be a contiguous bf16 [M, N]");
@@ -262,8 +263,8 @@ torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Te
   const uint16_t* rp = residual ? reinterpret_cast<const uint16_t*>(residual->data_ptr()) : nullptr;
   auto out = torch::empty({m, n}, x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const Weights w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-                  mins ? mins->data_ptr<float>() : nullptr, n, k, bits, group, qweight.size(1)};
+  const Weights w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()), group_params(scales, mins), n, k, bits, group,
+                  qweight.size(1)};
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
   // k in chunks of kChunk: a chunk of the panel (16 KiB) stays in L1 while every activation block passes it;
   // the C tiles of each activation block wait in `acc` between chunks. The next panel is built meanwhile.
