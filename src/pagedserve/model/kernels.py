@@ -21,7 +21,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
                                       "quant_gemm.cpp", "quant_gemm_amx.cpp", "decode_stack.cpp", "token_bitmask.cpp",
                                       "lora_sgmv.cpp")]
-HEADERS = [CSRC / "vec_math.h", CSRC / "kv_quant.h", CSRC / "decode_int4.h", CSRC / "quant_params.h"]
+HEADERS = [CSRC / "vec_math.h", CSRC / "kv_quant.h", CSRC / "decode_int4.h", CSRC / "quant_params.h", CSRC / "ops.h"]
 
 
 @cache

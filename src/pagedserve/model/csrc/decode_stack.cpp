@@ -2,28 +2,13 @@
 // int4) and computed in bf16 with our kernels. The Python layers make about ten calls into the extension per
 // layer (norms, linears, rope + cache write, attention, SiLU) plus the module machinery around them: at one
 // sequence that overhead was ~1.7 of 7.4 ms per token (30 layers). Here the same kernels run in the same
-// order on the same arguments, so the result is the one the Python layers give, bit for bit; llama.py decides
-// when a step qualifies (no LoRA, no prefill rows, a KV format these kernels take) and falls back otherwise.
+// order on the same arguments, so the result is the one the Python layers give, bit for bit; decode_stack.py
+// decides when a step qualifies (no LoRA, no prefill rows, a KV format these kernels take).
 #include <torch/extension.h>
 
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, c10::optional<torch::Tensor> k_tail,
-                                     c10::optional<torch::Tensor> tail_of_block);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                    torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                    torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                           c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, int64_t path,
-                           c10::optional<torch::Tensor> residual);
-torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group,
-                               c10::optional<torch::Tensor> residual);
+#include "ops.h"
 
 namespace {
 
