@@ -131,6 +131,10 @@ def throughput(eng: LLMEngine, label: str, jobs: list[Job], problems: list[str])
 
 
 def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
+    import torch
+
+    from pagedserve.model.quant_linear import few_rows_limit
+
     modes, names = list(engines), list(tps)
     kernels = ", ".join(sorted({e.weights_info["quant_kernel"] for e in engines.values()} - {"none"})) or "none"
     lines = [(f"Command: `pagedserve bench quantization --modes {args.modes} --threads {args.threads} "
@@ -158,8 +162,10 @@ def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
               "KV cache and activations are not counted)."),
               (f"- Threads: {args.threads} for every system. Figures: median (min-max over the rounds); the modes' "
               "order reverses every round."),
-              (f"- Kernels (integer path for calls under 8 rows + large-M path): {kernels}. The integer path "
-              "quantizes activations per 32 to int16; `amx` multiplies bf16 tiles over weights dequantized 32 rows at "
-              "a time (calls up to 512 rows; prefill chunks beyond that take `dequant`); `dequant` dequantizes whole "
-              "matrices into a float GEMM.")]
+              (f"- Kernels (integer path for calls under {few_rows_limit(torch.bfloat16)} rows + large-M path): "
+              f"{kernels}. The integer path quantizes activations per 32 to int16; `amx` multiplies bf16 tiles over "
+              "weights dequantized 32 rows at a time (calls up to 512 rows; prefill chunks beyond that take "
+              "`dequant`); `dequant` dequantizes whole matrices into a float GEMM. Quantized modes run pure decode "
+              "steps on the decode stack (all layers in one C++ call, model/decode_stack.py); `none` on the Python "
+              "layers over oneDNN's packed bf16 linears.")]
     return "\n".join(lines)
