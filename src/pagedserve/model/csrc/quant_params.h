@@ -7,6 +7,21 @@
 
 #include <cstdint>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+// n fp16 values widened to fp32: 8 at a time with F16C (a row's conversion must cost little beside its blocks).
+inline void widen_half(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 struct GroupParams {
   const float* scales32 = nullptr;
   const float* mins32 = nullptr;
@@ -22,13 +37,11 @@ struct GroupParams {
       m = mins32 ? mins32 + r * groups : nullptr;
       return;
     }
-    const c10::Half* sh = scales16 + r * groups;
-    for (int64_t g = 0; g < groups; ++g) buf[g] = static_cast<float>(sh[g]);
+    widen_half(scales16 + r * groups, buf, groups);
     s = buf;
     m = nullptr;
     if (mins16) {
-      const c10::Half* mh = mins16 + r * groups;
-      for (int64_t g = 0; g < groups; ++g) buf[groups + g] = static_cast<float>(mh[g]);
+      widen_half(mins16 + r * groups, buf + groups, groups);
       m = buf + groups;
     }
   }
