@@ -38,7 +38,7 @@ def generate(llm: LLM, prompts: list[str], stack: bool) -> tuple[list, int]:
             for o in outs], steps
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8", "int4"])
 def test_stack_equals_the_python_layers(kv_cache_dtype):
     llm = LLM(dtype="bfloat16", quantization="gguf", kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB",
               enable_prefix_caching=False)
@@ -51,10 +51,10 @@ def test_stack_equals_the_python_layers(kv_cache_dtype):
 
 
 def test_stack_serves_only_what_it_covers():
-    int4 = LLM(dtype="bfloat16", quantization="int4", kv_cache_dtype="int4", kv_cache_memory="64MiB")
-    assert int4.engine.runner.model.decode_stack is not None  # built, but int4 KV steps take the layers
+    int4 = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory="64MiB")  # our int4 weights, bf16 KV
+    assert int4.engine.runner.model.decode_stack is not None
     stacked, steps = generate(int4, PROMPTS[:2], stack=True)
-    assert steps == 0 and stacked == generate(int4, PROMPTS[:2], stack=False)[0]
+    assert steps >= 11 and stacked == generate(int4, PROMPTS[:2], stack=False)[0]
     plain = LLM(dtype="bfloat16", quantization="none", kv_cache_memory="64MiB")
     assert plain.engine.runner.model.decode_stack is None  # float linears: oneDNN's, from the layers
     reference = LLM(dtype="float32", quantization="gguf", kv_cache_memory="64MiB")

@@ -2,9 +2,9 @@
 
 A decode step of one sequence spends ~1.7 ms of its 7.4 in Python and module dispatch between ~300 kernel
 calls. The stack runs the same kernels in the same order with the same arguments, so its output equals the
-Python layers' bit for bit (tests/test_decode_stack.py); the layers stay the path for everything else:
-prefill rows, LoRA, float linears or biases, int4 KV (its key plan), head sizes the kernels lack, and batches
-that the Python layers would send to a dequantized GEMM.
+Python layers' bit for bit (tests/test_decode_stack.py), every KV format included (int4 with the step's key
+plan); the layers stay the path for everything else: prefill rows, LoRA, float linears or biases, head sizes
+the kernels lack, and batches that the Python layers would send to a dequantized GEMM.
 """
 from __future__ import annotations
 
@@ -50,11 +50,15 @@ def stack_takes(rows: int, meta: AttentionMetadata, kv_caches: list[LayerKVCache
     """Whether this step runs on the stack: decode rows only, the C++ attention, and a batch the Python
     layers would also give to the integer kernel or the tiles."""
     limit = AMX_MAX_ROWS if gemm_path() == "amx" else DEQUANT_MIN_ROWS - 1
-    return (meta.num_decodes == rows and rows <= limit and meta.use_kernel and not kv_caches[0].fmt.int4)
+    return (meta.num_decodes == rows and rows <= limit and meta.use_kernel
+            and (meta.key_plan is not None or not kv_caches[0].fmt.int4))
 
 
 def run_decode_stack(stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                      block_size: int, kv_caches: list[LayerKVCache]) -> torch.Tensor:
+    plan = meta.key_plan if kv_caches[0].fmt.int4 else None
     return stack.forward(x, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                          block_size, [kv.k for kv in kv_caches], [kv.v for kv in kv_caches],
-                         [kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches])
+                         [kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches],
+                         None if plan is None else plan.rows, None if plan is None else plan.completions,
+                         [kv.k_tail for kv in kv_caches], None if plan is None else kv_caches[0].tail_of_block)

@@ -3,7 +3,7 @@
 // layer (norms, linears, rope + cache write, attention, SiLU) plus the module machinery around them: at one
 // sequence that overhead was ~1.7 of 7.4 ms per token (30 layers). Here the same kernels run in the same
 // order on the same arguments, so the result is the one the Python layers give, bit for bit; decode_stack.py
-// decides when a step qualifies (no LoRA, no prefill rows, a KV format these kernels take).
+// decides when a step qualifies (no LoRA, no prefill rows, no batch the Python layers would dequantize for).
 #include <torch/extension.h>
 
 #include <vector>
@@ -46,25 +46,36 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x [B, hidden] bf16 (the embeddings) -> the last layer's output; one KV cache (and its optional scales) per layer.
+  // x [B, hidden] bf16 (the embeddings) -> the last layer's output; one KV cache (and its optional scales) per
+  // layer. int4 KV: the step's key plan (key_rows, completions), each layer's key tails and the tail of each block.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                         std::vector<c10::optional<torch::Tensor>> k_scales,
-                        std::vector<c10::optional<torch::Tensor>> v_scales) const {
+                        std::vector<c10::optional<torch::Tensor>> v_scales, c10::optional<torch::Tensor> key_rows,
+                        c10::optional<torch::Tensor> completions, std::vector<c10::optional<torch::Tensor>> k_tails,
+                        c10::optional<torch::Tensor> tail_of_block) const {
     const size_t n = layers_.size();
-    TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && k_scales.size() == n && v_scales.size() == n,
-                "one KV cache per layer");
+    TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && k_scales.size() == n && v_scales.size() == n &&
+                k_tails.size() == n, "one KV cache per layer");
+    const bool int4 = key_rows.has_value();
+    TORCH_CHECK(!int4 || (completions && tail_of_block), "int4 KV needs the key plan and the blocks' tails");
     const int64_t q_size = num_heads_ * head_dim_;
     for (size_t i = 0; i < n; ++i) {
       const Layer& layer = layers_[i];
       torch::Tensor qkv = linear(rms_norm(x, layer.input_norm, eps_), layer.qkv, c10::nullopt);
-      rope_and_cache(qkv, cos, sin, k_caches[i], v_caches[i], k_scales[i], v_scales[i], slot_mapping, num_heads_,
-                     num_kv_heads_);
+      if (int4) {
+        TORCH_CHECK(k_scales[i] && v_scales[i] && k_tails[i], "int4 KV needs its parameters and key tails");
+        rope_and_cache_int4(qkv, cos, sin, k_caches[i], v_caches[i], *k_scales[i], *v_scales[i], *k_tails[i],
+                            slot_mapping, *key_rows, *completions, block_size, num_heads_, num_kv_heads_);
+      } else {
+        rope_and_cache(qkv, cos, sin, k_caches[i], v_caches[i], k_scales[i], v_scales[i], slot_mapping, num_heads_,
+                       num_kv_heads_);
+      }
       const torch::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
       const torch::Tensor o = paged_decode_attention(q, k_caches[i], v_caches[i], k_scales[i], v_scales[i],
-                                                     block_tables, context_lens, block_size, scale_, c10::nullopt,
-                                                     c10::nullopt);
+                                                     block_tables, context_lens, block_size, scale_, k_tails[i],
+                                                     int4 ? tail_of_block : c10::nullopt);
       x = linear(o.flatten(1), layer.o, x);
       const torch::Tensor h = silu_and_mul(linear(rms_norm(x, layer.post_norm, eps_), layer.gate_up, c10::nullopt));
       x = linear(h, layer.down, x);
