@@ -170,25 +170,31 @@ class FaultProxy:
                     request: bool) -> None:
         try:
             while data := await reader.read(65536):
+                if not request and "left" in trigger:
+                    trigger["left"] -= len(data)
+                    if trigger["left"] <= 0:  # before these bytes go on: the client never holds the whole
+                        await self._act(trigger)  # answer before the action has run
                 writer.write(data)
                 await writer.drain()
                 if request and self._armed and self._armed[0] in data:
                     _, response_bytes, action = self._armed
                     self._armed = None
                     trigger.update(left=response_bytes, action=action)
-                elif not request and "left" in trigger:
-                    trigger["left"] -= len(data)
-                if trigger.get("left", 1) <= 0:
-                    await asyncio.to_thread(trigger.pop("action"))  # off this loop: it may cut this proxy
-                    trigger.clear()
+                    if response_bytes <= 0:  # as soon as the request reached the replica
+                        await self._act(trigger)
         except (ConnectionError, OSError):
             pass
         finally:
             writer.transport.abort() if writer.transport.is_closing() else writer.close()
 
+    @staticmethod
+    async def _act(trigger: dict) -> None:
+        await asyncio.to_thread(trigger.pop("action"))  # off this loop: it may cut this proxy
+        trigger.clear()
+
     def arm(self, marker: bytes, response_bytes: int, action: Callable[[], None]) -> None:
-        """Runs `action` once, on the next request whose bytes contain `marker`, after it and then
-        `response_bytes` bytes of its answer were relayed (0: as soon as the request reached the replica)."""
+        """Runs `action` once, on the next request whose bytes contain `marker`: as soon as the request reached
+        the replica (0), or once `response_bytes` bytes of its answer have arrived, before they are relayed."""
         self._armed = (marker, response_bytes, action)
 
     def disarm(self) -> None:
