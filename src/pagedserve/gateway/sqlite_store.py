@@ -141,13 +141,17 @@ class SQLiteStore:
             rows = dict(self.db.execute("SELECT name, version FROM sources").fetchall())
         return {n: rows.get(n, "0") for n in names}
 
+    def _set_version(self, db: sqlite3.Connection, name: str, current: tuple | None, version: str | None) -> str:
+        """Records the source's next version (or the given one) inside the caller's transaction."""
+        new = version or next_version(current[0] if current else None)
+        db.execute("INSERT OR REPLACE INTO sources(name, version, updated_at) VALUES (?, ?, ?)",
+                   (name, new, self.clock()))
+        return new
+
     async def bump_source(self, name: str, version: str | None = None) -> str:
         def bump(db: sqlite3.Connection) -> str:
             row = db.execute("SELECT version FROM sources WHERE name = ?", (name,)).fetchone()
-            new = version or next_version(row[0] if row else None)
-            db.execute("INSERT OR REPLACE INTO sources(name, version, updated_at) VALUES (?, ?, ?)",
-                       (name, new, self.clock()))
-            return new
+            return self._set_version(db, name, row, version)
         return self._txn(bump)
 
     async def list_sources(self) -> dict[str, dict]:
@@ -180,10 +184,7 @@ class SQLiteStore:
             row = db.execute("SELECT version FROM sources WHERE name = ?", (source,)).fetchone()
             if not put and not remove and row is not None:
                 return row[0]
-            new = next_version(row[0] if row else None)
-            db.execute("INSERT OR REPLACE INTO sources(name, version, updated_at) VALUES (?, ?, ?)",
-                       (source, new, self.clock()))
-            return new
+            return self._set_version(db, source, row, None)
         return self._txn(apply)
 
     async def indexed_sources(self) -> dict[str, int]:
