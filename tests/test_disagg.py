@@ -16,6 +16,7 @@ from gateway_support import pagedserve_server, start_all
 from router_support import RouterProcess, metric_sum, wait_for
 
 from pagedserve.cluster.launcher import free_port
+from tests.lora_support import make_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,10 @@ CHAT = [{"role": "user", "content": "Explain how a paged KV cache works, in deta
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disagg")
-    reference, ref_url = pagedserve_server("reference", tmp, ["--kv-transport", "tcp"])  # also decodes, over TCP
-    prefill, prefill_url = pagedserve_server("prefill", tmp, ["--kv-role", "prefill", "--kv-lease-s", "4"])
-    decode, decode_url = pagedserve_server("decode", tmp, ["--kv-role", "decode"])
+    lora = ["--enable-lora", "--max-lora-rank", "16"]
+    reference, ref_url = pagedserve_server("reference", tmp, ["--kv-transport", "tcp", *lora])  # decodes over TCP
+    prefill, prefill_url = pagedserve_server("prefill", tmp, ["--kv-role", "prefill", "--kv-lease-s", "4", *lora])
+    decode, decode_url = pagedserve_server("decode", tmp, ["--kv-role", "decode", *lora])
     strict, strict_url = pagedserve_server("decode-strict", tmp, ["--kv-role", "decode", "--kv-load-failure", "fail",
                                                                    "--block-size", "32"])
     with contextlib.ExitStack() as stack:
@@ -107,6 +109,44 @@ def handle(workers, prompt: str) -> dict:
     body = complete(workers["prefill"], prompt, kv_transfer_params={"do_remote_decode": True})
     assert body["usage"]["completion_tokens"] == 1  # the prefill half stops after the first token
     return {"do_remote_prefill": True, "remote_url": workers["prefill"], **body["kv_transfer_params"]}
+
+
+def load_adapter(url: str, name: str, folder) -> None:
+    httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)},
+               timeout=60).raise_for_status()
+
+
+def test_lora_requests_move_their_blocks_under_the_adapters_weights(workers, hf_model, tmp_path):
+    """A prompt computed under an adapter travels as that adapter's KV: the decode worker registers it under
+    the adapter's weights digest, so the base model never reads it, and a decode worker whose adapter of the
+    same name has other weights recomputes instead of reading the prefill worker's blocks."""
+    adapters = make_adapters(hf_model, tmp_path)
+    router = workers["router"]
+    for url in (workers["reference"], workers["prefill"], workers["decode"]):
+        load_adapter(url, "attn8", adapters["attn8"][0])
+    # "tuned": attn8's weights on the prefill worker, mlp4's on the decode worker and the reference.
+    load_adapter(workers["prefill"], "tuned", adapters["attn8"][0])
+    for url in (workers["decode"], workers["reference"]):
+        load_adapter(url, "tuned", adapters["mlp4"][0])
+    prompt = "Under an adapter: " + PROMPTS[0]
+    expected = {model: texts(complete(workers["reference"], prompt, model=model))
+                for model in ("attn8", "tuned", workers["model"])}
+    assert len({tuple(t) for t in expected.values()}) == 3  # the adapters do change the answer
+
+    before, mismatches = blocks_in(workers["decode"]), failures(workers["decode"], "token_mismatch")
+    got = complete(router.url, prompt, model="attn8")
+    assert texts(got) == expected["attn8"] and got["model"] == "attn8"
+    assert blocks_in(workers["decode"]) > before and got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    # The base model, same prompt: the adapter's blocks are not its KV, so its own are pulled.
+    before = blocks_in(workers["decode"])
+    assert texts(complete(router.url, prompt)) == expected[workers["model"]]
+    assert blocks_in(workers["decode"]) > before
+    # Same name, other weights: the handle's digest does not match, so the decode worker recomputes.
+    before = blocks_in(workers["decode"])
+    assert texts(complete(router.url, prompt, model="tuned")) == expected["tuned"]
+    assert failures(workers["decode"], "token_mismatch") == mismatches + 1
+    assert blocks_in(workers["decode"]) == before
+    wait_for(lambda: idle(workers["decode"]) and idle(workers["prefill"]), 15, "both workers to hold no block")
 
 
 def test_failed_pulls_are_recomputed_or_refused_and_leave_no_block_held(workers):

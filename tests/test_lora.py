@@ -121,8 +121,8 @@ def test_bad_adapters_are_refused_with_the_reason(tmp_path, adapters):
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_slots_apply_each_adapter_to_its_rows_only(path, monkeypatch):
     """The batched kernel (and its PyTorch fallback) against one matmul pair per adapter: ranks padded to the largest slotted one,
-    projections an adapter lacks left alone, slots refilled least recently used first, a reload (new
-    generation) written afresh rather than read from the old slot."""
+    projections an adapter lacks left alone, slots refilled least recently used first, a reload with other
+    weights under the same name written afresh rather than read from the old slot."""
     from types import SimpleNamespace
 
     from pagedserve.model.lora import LoRAAdapter, LoRASlots, LoRAWeights, fused_shapes
@@ -133,16 +133,16 @@ def test_slots_apply_each_adapter_to_its_rows_only(path, monkeypatch):
     config = SimpleNamespace(hidden_size=32, intermediate_size=48, q_size=32, kv_size=16, num_hidden_layers=2)
     shapes = fused_shapes(config)
 
-    def adapter(name: str, rank: int, modules: tuple[str, ...], generation: int = 1) -> LoRAAdapter:
+    def adapter(name: str, rank: int, modules: tuple[str, ...]) -> LoRAAdapter:
         layers = [{m: LoRAWeights(torch.randn(rank, shapes[m][0]), torch.randn(shapes[m][1], rank)) for m in modules}
                   for _ in range(2)]
-        return LoRAAdapter(name, 1, "", rank, layers, generation)
+        return LoRAAdapter(name, 1, "", rank, layers)
 
     slots = LoRASlots(config, num_slots=2, dtype=torch.float32)
     steps = [[adapter("a", 4, ("qkv_proj", "down_proj")), adapter("b", 12, ("qkv_proj",))],
              [adapter("c", 2, ("o_proj", "qkv_proj"))]]
     steps[1].append(steps[0][0])  # "a" again beside a newcomer: "b" is the one evicted
-    steps.append([adapter("a", 4, ("qkv_proj",), generation=2), steps[0][0]])  # a reload of "a" and the old load
+    steps.append([adapter("a", 4, ("qkv_proj",)), steps[0][0]])  # a reload of "a" (other weights) and the old load
     for step in steps:
         rows = [[range(518), range(527, 528)], [range(518, 523)]][:len(step)]  # a GEMM-sized segment, short ones
         batch = slots.batch(list(zip(step, rows)))

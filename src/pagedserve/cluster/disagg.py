@@ -6,7 +6,9 @@ pulls the blocks it lacks and streams the answer to the client (server/kv_transf
 
 A prefill replica that fails is retried on another; when none succeeds the request goes to the decode pool
 without a handle and is computed there whole: slower, never lost. Prompts shorter than
-`disagg_min_prompt_tokens` (default 256) go straight to the decode pool.
+`disagg_min_prompt_tokens` (default 256) go straight to the decode pool. A request for a LoRA adapter goes to
+a prefill replica that holds it (or loads it there first, as for decoding); its blocks travel under the
+adapter's identity (server/kv_transfer.py).
 """
 from __future__ import annotations
 
@@ -36,12 +38,17 @@ async def prefill_first(router: Router, fwd):
     tried: list[str] = []
     for _ in range(router.config.max_attempts):
         try:
-            replica = router.select(fwd.req, residency=fwd.residency, client_region=fwd.client_region,
-                                    model=fwd.model, exclude=tried, prefill=True).replica
+            decision = router.select(fwd.req, residency=fwd.residency, client_region=fwd.client_region,
+                                     model=fwd.model, exclude=tried, prefill=True)
         except NoReplicaError as exc:
             log.warning("no prefill replica for a request (%s); the decode pool computes it whole", exc.reason)
             break
+        replica = decision.replica
         tried.append(replica.name)
+        if decision.load_adapter and (problem := await router.load_adapter(replica, decision.load_adapter)):
+            router.metrics.prefills.labels(replica.name, "lora_load_failed").inc()
+            log.warning("prefill on %s: %s; trying another", replica.name, problem)
+            continue
         start = time.perf_counter()
         replica.start_request(fwd.req.est_tokens)
         try:

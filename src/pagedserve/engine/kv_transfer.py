@@ -5,8 +5,9 @@ The prefill worker, once a prompt is computed, leases its full blocks: they are 
 reused) until the decode worker has pulled them and acknowledged, or until the lease expires. The decode
 worker pulls only the blocks its own prefix cache lacks and registers them in that cache; its request then
 runs as any other whose prompt prefix is cached, so a transfer that failed or was evicted meanwhile only
-costs recomputation, never a wrong answer. Blocks are identified by the prompt's tokens, not by a hash one
-process computed: Python's hashes need not agree between processes.
+costs recomputation, never a wrong answer. Blocks are identified by the prompt's tokens and the request's cache
+salt (a LoRA adapter's weights digest), not by a hash one process computed: Python's hashes need not agree
+between processes.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pagedserve.engine.model_runner import ModelRunner
 class Lease:
     lease_id: str
     block_ids: list[int]
-    tokens_sha: str  # of the token ids the blocks hold: the decode side checks it tokenized the same prompt
+    tokens_sha: str  # of the token ids the blocks hold (and the salt): the decode side checks it has the same
     expires_at: float  # time.monotonic()
 
     def public(self, block_size: int, kv_format: str, lease_s: float) -> dict:
@@ -31,8 +32,9 @@ class Lease:
                 "kv_format": kv_format, "tokens_sha": self.tokens_sha, "expires_in_s": lease_s}
 
 
-def tokens_sha(token_ids: list[int]) -> str:
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:32]
+def tokens_sha(token_ids: list[int], salt: str | None = None) -> str:
+    text = ",".join(map(str, token_ids)) + ("" if salt is None else f"|{salt}")
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class KVTransfer:
@@ -50,12 +52,13 @@ class KVTransfer:
     def pinned_blocks(self) -> int:
         return sum(len(lease.block_ids) for lease in self.leases.values())
 
-    def lease(self, token_ids: list[int]) -> Lease:
-        """Pins the cached full blocks of this prompt (those that survived until now)."""
+    def lease(self, token_ids: list[int], salt: str | None = None) -> Lease:
+        """Pins the cached full blocks of this prompt (those that survived until now); salt: the cache salt
+        the prompt was computed under."""
         self.expire()
-        blocks = self.kv.cached_prefix_blocks(token_ids)
+        blocks = self.kv.cached_prefix_blocks(token_ids, salt)
         self.kv.pin(blocks)
-        lease = Lease(uuid.uuid4().hex, blocks, tokens_sha(token_ids[:len(blocks) * self.block_size]),
+        lease = Lease(uuid.uuid4().hex, blocks, tokens_sha(token_ids[:len(blocks) * self.block_size], salt),
                       time.monotonic() + self.lease_s)
         self.leases[lease.lease_id] = lease
         return lease
@@ -78,19 +81,20 @@ class KVTransfer:
             self.release(lease_id)
         return len(gone)
 
-    def cached_blocks(self, token_ids: list[int]) -> int:
+    def cached_blocks(self, token_ids: list[int], salt: str | None = None) -> int:
         """How many leading full blocks of this prompt the local prefix cache already holds."""
-        return len(self.kv.cached_prefix_blocks(token_ids))
+        return len(self.kv.cached_prefix_blocks(token_ids, salt))
 
-    def import_blocks(self, token_ids: list[int], start: int, data: bytes, count: int) -> int:
+    def import_blocks(self, token_ids: list[int], start: int, data: bytes, count: int,
+                      salt: str | None = None) -> int:
         """Registers blocks start..start+count of the prompt as cached and writes their KV; returns how many
         were placed (fewer when the pool is short: the rest is recomputed)."""
         if len(data) != self.runner.export_size(count):
             raise ValueError(f"KV data of {len(data)} bytes for {count} blocks; this worker expects "
                              f"{self.runner.export_size(count)} (another model, block size or KV format?)")
-        if self.cached_blocks(token_ids) != start:  # the local cache changed since the pull began
+        if self.cached_blocks(token_ids, salt) != start:  # the local cache changed since the pull began
             return 0
-        block_ids = self.kv.insert_cached(token_ids, start, count)
+        block_ids = self.kv.insert_cached(token_ids, start, count, salt)
         self.runner.import_blocks(block_ids, data, count)
         return len(block_ids)
 

@@ -1,10 +1,9 @@
 """The adapters an engine holds in memory: loaded off the step thread, kept least-recently-used up to
-max_cpu_loras (pinned ones never evicted), and numbered by load so that a reload under the same name is a new
-identity for the prefix cache."""
+max_cpu_loras (pinned ones never evicted). An adapter's identity for the prefix cache is its weights' digest, so a
+reload with other weights under the same name never meets the old KV."""
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
@@ -26,7 +25,6 @@ class LoRAManager:
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.pinned: set[str] = set()
         self.loads = self.evictions = 0  # since start, for /metrics
-        self._generations = itertools.count(1)
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-load")
 
@@ -54,7 +52,6 @@ class LoRAManager:
         adapter = load_adapter(request.lora_path, self.config, request.lora_name, request.lora_int_id,
                                self.max_lora_rank, self.dtype)
         with self._lock:
-            adapter.generation = next(self._generations)
             self.loads += 1
             self.adapters.pop(request.lora_name, None)
             self.adapters[request.lora_name] = adapter

@@ -8,6 +8,7 @@ lora_alpha / sqrt(r) with rsLoRA; per-module alpha_pattern honoured) is folded i
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -42,16 +43,26 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest rank of any of its modules
     layers: list[dict[str, LoRAWeights]]  # per layer: fused module name -> weights
-    generation: int = 0  # load counter of the manager: a reload under the same name is a new identity
     nbytes: int = field(init=False)
+    cache_key: str = field(init=False)  # what the prefix cache keys blocks by: the weights' content
 
     def __post_init__(self) -> None:
         self.nbytes = sum(w.a.nbytes + w.b.nbytes for layer in self.layers for w in layer.values())
+        self.cache_key = f"lora:{weights_digest(self.layers)}"
 
-    @property
-    def cache_key(self) -> str:
-        """What the prefix cache keys blocks by: KV computed under this load of this adapter."""
-        return f"lora:{self.name}:{self.int_id}:{self.generation}"
+
+def weights_digest(layers: list[dict[str, LoRAWeights]]) -> str:
+    """The same in every process that loaded the same weights in the same dtype (Python's hash() is not), so
+    KV computed under an adapter keeps its identity when it moves between workers, and a reload with other
+    weights under the same name is another identity."""
+    h = hashlib.blake2b(digest_size=16)
+    for i, layer in enumerate(layers):
+        for module in sorted(layer):
+            w = layer[module]
+            h.update(f"{i}.{module}:{w.a.dtype}:{tuple(w.a.shape)}:{tuple(w.b.shape)};".encode())
+            for t in (w.a, w.b):
+                h.update(t.contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -165,8 +176,8 @@ class LoRASlots:
     """The running batch's adapters stacked per layer and projection, A as [slots, rank, in] and B^T as
     [slots, rank, out] (ranks zero-padded to the largest slotted one), so that a step applies every adapter of a
     projection in one call (our C++ lora_sgmv over rows sorted by slot: Punica's SGMV) instead of a pair of
-    matmuls per adapter. --max-loras slots, refilled least recently used first; an adapter is keyed by its load
-    (cache_key), so a reload never reads the old weights."""
+    matmuls per adapter. --max-loras slots, refilled least recently used first; an adapter is keyed by its
+    weights (cache_key), so a reload with other weights never reads the old ones."""
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype) -> None:
         self.shapes = fused_shapes(config)

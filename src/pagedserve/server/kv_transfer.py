@@ -2,7 +2,8 @@
 
 - A prefill worker (`--kv-role prefill` or `both`) given `kv_transfer_params: {"do_remote_decode": true}`
   computes the prompt and its first token only, leases the prompt's full KV blocks and answers with a handle
-  in `kv_transfer_params`: lease id, block count, block size, KV format and a digest of the tokens.
+  in `kv_transfer_params`: lease id, block count, block size, KV format and a digest of the tokens (and of the
+  LoRA adapter's weights, for a request under one: its blocks are cached under that identity on both sides).
 - A decode worker (`decode` or `both`) given `kv_transfer_params: {"do_remote_prefill": true, "remote_url":
   ..., <the handle>}` pulls the blocks its own prefix cache lacks from `GET {remote_url}/v1/kv/leases/{id}`,
   registers them in that cache, acknowledges (`DELETE`, which frees the lease into the prefill worker's prefix
@@ -22,6 +23,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.engine.kv_transfer import tokens_sha
+from pagedserve.lora_request import LoRARequest
 from pagedserve.server import kv_shm
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import KVTransferParams
@@ -59,18 +61,38 @@ def check_role(state, kv: KVTransferParams, num_prompts: int, stream: bool) -> N
         raise APIError(400, "the prefill half of a disaggregated request is not streamed", "stream")
 
 
-async def lease(state, prompt_ids: list[int]) -> dict:
+async def adapter_salt(state, lora: LoRARequest | None) -> str | None:
+    """The prefix-cache salt of requests under this adapter (loaded off the step thread if it is not resident):
+    the digest of its weights, the same on every worker that loaded the same adapter. ValueError when this
+    engine cannot serve it."""
+    loras = state.engine.engine.loras
+    if lora is None:
+        return None
+    if loras is None:
+        raise ValueError("this engine does not serve LoRA adapters")
+    return (await asyncio.wrap_future(loras.submit(lora))).cache_key
+
+
+async def lease(state, prompt_ids: list[int], lora: LoRARequest | None) -> dict:
     """The prefill half is done: pin the prompt's blocks and describe them for the decode worker."""
     engine = state.engine.engine
-    held = await state.engine.call(lambda: engine.kv_transfer.lease(prompt_ids))
+    salt = await adapter_salt(state, lora)
+    held = await state.engine.call(lambda: engine.kv_transfer.lease(prompt_ids, salt))
     return held.public(engine.kv.block_size, engine.kv_format.name, engine.kv_transfer.lease_s)
 
 
-async def pull(state, prompt_ids: list[int], kv: KVTransferParams) -> None:
+async def pull(state, prompt_ids: list[int], kv: KVTransferParams, lora: LoRARequest | None) -> None:
     """Brings the prompt's blocks over from the prefill worker (those not cached here already)."""
     engine, metrics, start = state.engine.engine, state.metrics, time.perf_counter()
     try:
-        await _pull(state, engine, prompt_ids, kv)
+        salt = await adapter_salt(state, lora)
+    except BaseException as e:  # an adapter this worker cannot serve: the request is refused when added
+        _release(state, kv)
+        if isinstance(e, ValueError):
+            return
+        raise
+    try:
+        await _pull(state, engine, prompt_ids, kv, salt)
     except TransferFailed as e:
         metrics.kv_failures.labels(e.cause).inc()
         log.warning("KV pull from %s failed (%s): %s; %s", kv.remote_url, e.cause, e,
@@ -92,20 +114,22 @@ class TransferFailed(Exception):
         self.cause = cause
 
 
-async def _pull(state, engine, prompt_ids: list[int], kv: KVTransferParams) -> None:
+async def _pull(state, engine, prompt_ids: list[int], kv: KVTransferParams, salt: str | None) -> None:
     if kv.block_size != engine.kv.block_size or kv.kv_format != engine.kv_format.name:
         raise TransferFailed("mismatch", f"blocks of {kv.block_size} tokens in {kv.kv_format}; this worker has "
                                          f"{engine.kv.block_size} in {engine.kv_format.name}")
     covered = kv.num_blocks * kv.block_size
-    if covered > len(prompt_ids) or tokens_sha(prompt_ids[:covered]) != kv.tokens_sha:
+    if covered > len(prompt_ids) or tokens_sha(prompt_ids[:covered], salt) != kv.tokens_sha:
         raise TransferFailed("token_mismatch", "the handle's tokens differ from this worker's tokenization of "
-                                               "the prompt (another model or chat template?)")
-    have = await state.engine.call(lambda: engine.kv_transfer.cached_blocks(prompt_ids[:covered]))
+                                               "the prompt (another model or chat template?) or were computed "
+                                               "under another LoRA adapter's weights")
+    have = await state.engine.call(lambda: engine.kv_transfer.cached_blocks(prompt_ids[:covered], salt))
     if have < kv.num_blocks:
         transport, data = await _fetch(state, kv, have)
         count = kv.num_blocks - have
         try:
-            placed = await state.engine.call(lambda: engine.kv_transfer.import_blocks(prompt_ids, have, data, count))
+            placed = await state.engine.call(
+                lambda: engine.kv_transfer.import_blocks(prompt_ids, have, data, count, salt))
         except ValueError as e:
             raise TransferFailed("bad_payload", str(e)) from None
         state.metrics.kv_blocks.labels("in", transport).inc(placed)

@@ -112,6 +112,7 @@ class Call:
     deadline: float | None  # time.monotonic() by which the last token must be out
     prompt_ids: list[list[int]] = field(default_factory=list)
     kv_transfer: KVTransferParams | None = None
+    lora: LoRARequest | None = None
 
     def close(self) -> None:
         """Aborts what is still running and returns the ticket (idempotent)."""
@@ -139,9 +140,9 @@ async def start_streams(state: ServerState, ctx: RequestContext, request_id: str
     ticket = _admit(state, ctx, prompt_ids, params)
     priority = ctx.priority if state.admission.config.enabled else 0
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    if kv is not None and kv.do_remote_prefill and lora is None:  # adapters' KV is not transferred: recomputed
+    if kv is not None and kv.do_remote_prefill:
         try:
-            await pull(state, prompt_ids[0], kv)
+            await pull(state, prompt_ids[0], kv, lora)
         except BaseException:
             state.admission.finished(ticket)
             raise
@@ -154,7 +155,7 @@ async def start_streams(state: ServerState, ctx: RequestContext, request_id: str
     streams = [s for s in added if isinstance(s, RequestStream)]
     errors = [e for e in added if isinstance(e, BaseException)]
     deadline = None if ctx.timeout is None else ticket.admitted_at + ctx.timeout
-    call = Call(streams, ticket, state.admission, deadline, prompt_ids, kv)
+    call = Call(streams, ticket, state.admission, deadline, prompt_ids, kv, lora)
     if not errors:
         return call
     call.close()
@@ -310,7 +311,7 @@ async def prefill_handle(state: ServerState, call: Call) -> dict | None:
     """The prefill half of a disaggregated request is done: its lease on the prompt's blocks."""
     if call.kv_transfer is None or not call.kv_transfer.do_remote_decode:
         return None
-    return await lease(state, call.prompt_ids[0])
+    return await lease(state, call.prompt_ids[0], call.lora)
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:
