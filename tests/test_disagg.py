@@ -146,6 +146,19 @@ def test_lora_requests_move_their_blocks_under_the_adapters_weights(workers, hf_
     assert texts(complete(router.url, prompt, model="tuned")) == expected["tuned"]
     assert failures(workers["decode"], "token_mismatch") == mismatches + 1
     assert blocks_in(workers["decode"]) == before
+    # An adapter neither worker holds, named in the router's lora_modules: loaded on each pool's replica first.
+    replicas = [{"url": workers["prefill"], "name": "prefill-0", "kv_role": "prefill"},
+                {"url": workers["decode"], "name": "decode-0", "kv_role": "decode"}]
+    with RouterProcess(tmp_path, disagg_min_prompt_tokens=0, lora_modules={"mlp4": str(adapters["mlp4"][0])},
+                       replicas=replicas) as on_demand:
+        on_demand.wait_healthy(["prefill-0", "decode-0"], timeout=30)
+        prompt = "Loaded on demand: " + PROMPTS[1]
+        expected = texts(complete(workers["reference"], prompt, model="tuned"))  # mlp4's weights there
+        before = blocks_in(workers["decode"])
+        assert texts(complete(on_demand.url, prompt, model="mlp4")) == expected
+        assert blocks_in(workers["decode"]) > before
+        assert on_demand.metric("pagedserve_router_lora_loads_total", result="loaded") == 2
+        assert on_demand.metric("pagedserve_router_prefills_total", result="handed_off") == 1
     wait_for(lambda: idle(workers["decode"]) and idle(workers["prefill"]), 15, "both workers to hold no block")
 
 
