@@ -58,8 +58,16 @@ def test_imported_blocks_are_what_the_decode_engine_computes_with(engines):
         prefill.kv_transfer.export(lease.lease_id, 0)
 
 
+def import_in_parts(e: LLMEngine, ids: list[int], data: bytes, count: int) -> int:
+    """As the decode worker does: a part per call (sizes 1, 2, then the rest: offsets into the payload)."""
+    placed = 0
+    for part in (1, 2, count):
+        placed += e.kv_transfer.import_blocks(ids, 0, data, count, first=placed, num=part)
+    return placed
+
+
 def greedy_after_import(e: LLMEngine, ids: list[int], data: bytes, count: int) -> list[int]:
-    assert e.kv_transfer.import_blocks(ids, 0, data, count) == count
+    assert import_in_parts(e, ids, data, count) == count
     return greedy(e, f"d-{len(data)}-{data[:4].hex()}-{e.kv.hit_tokens}", ids)
 
 
@@ -91,10 +99,10 @@ def test_quantized_blocks_travel_with_their_scales(kv_cache_dtype):
     """int8: per-token scales; int4: per-token value and per-block key parameters (full blocks only travel,
     so no key waits in a tail)."""
     prefill, decode, reference = (engine(kv_cache_dtype) for _ in range(3))
-    ids = prefill.tokenizer.encode(PROMPT)
+    ids = prefill.tokenizer.encode(PROMPT * 3)
     greedy(prefill, "p", ids, 1)
     lease = prefill.kv_transfer.lease(ids)
     data = prefill.kv_transfer.export(lease.lease_id, 0)
     assert len(data) == prefill.runner.export_size(len(lease.block_ids))
-    assert decode.kv_transfer.import_blocks(ids, 0, data, len(lease.block_ids)) == len(lease.block_ids)
+    assert len(lease.block_ids) > 3 and import_in_parts(decode, ids, data, len(lease.block_ids)) == len(lease.block_ids)
     assert greedy(decode, "d", ids) == greedy(reference, "r", ids)

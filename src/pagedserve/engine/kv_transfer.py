@@ -85,17 +85,19 @@ class KVTransfer:
         """How many leading full blocks of this prompt the local prefix cache already holds."""
         return len(self.kv.cached_prefix_blocks(token_ids, salt))
 
-    def import_blocks(self, token_ids: list[int], start: int, data: bytes, count: int,
-                      salt: str | None = None) -> int:
-        """Registers blocks start..start+count of the prompt as cached and writes their KV; returns how many
-        were placed (fewer when the pool is short: the rest is recomputed)."""
+    def import_blocks(self, token_ids: list[int], start: int, data: bytes, count: int, salt: str | None = None,
+                      first: int = 0, num: int | None = None) -> int:
+        """data holds blocks start..start+count of the prompt: registers blocks start+first..start+first+num of
+        them (all by default) as cached and writes their KV; returns how many were placed (fewer when the pool
+        is short: the rest is recomputed). A part at a time keeps each pause of the step thread short."""
         if len(data) != self.runner.export_size(count):
             raise ValueError(f"KV data of {len(data)} bytes for {count} blocks; this worker expects "
                              f"{self.runner.export_size(count)} (another model, block size or KV format?)")
-        if self.cached_blocks(token_ids, salt) != start:  # the local cache changed since the pull began
+        num = count - first if num is None else min(num, count - first)
+        if self.cached_blocks(token_ids, salt) != start + first:  # the local cache changed since the pull began
             return 0
-        block_ids = self.kv.insert_cached(token_ids, start, count, salt)
-        self.runner.import_blocks(block_ids, data, count)
+        block_ids = self.kv.insert_cached(token_ids, start + first, num, salt)
+        self.runner.import_blocks(block_ids, data, count, first)
         return len(block_ids)
 
     def live(self, lease_id: str) -> Lease:

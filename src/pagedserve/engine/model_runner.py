@@ -163,8 +163,9 @@ class ModelRunner:
                    for layer in self.kv_caches for t, per_block in self.block_tensors(layer))
 
     @torch.inference_mode()
-    def import_blocks(self, block_ids: list[int], data: bytes | memoryview, num_blocks: int) -> None:
-        """Writes the first len(block_ids) of the num_blocks blocks export_blocks put in data into these."""
+    def import_blocks(self, block_ids: list[int], data: bytes | memoryview, num_blocks: int, first: int = 0) -> None:
+        """Writes blocks first..first+len(block_ids) of the num_blocks blocks export_blocks put in data into
+        these."""
         if len(data) != self.export_size(num_blocks):
             raise ValueError(f"KV data of {len(data)} bytes for {num_blocks} blocks; expected "
                              f"{self.export_size(num_blocks)} (another model, block size or KV format?)")
@@ -178,7 +179,7 @@ class ModelRunner:
                 rows = self._rows(block_ids, per_block)
                 size = t.element_size() * int(t[0].numel()) * per_block * num_blocks
                 chunk = raw[offset:offset + size].view(t.dtype).view(per_block * num_blocks, *t.shape[1:])
-                t.index_copy_(0, rows, chunk[:len(rows)])
+                t.index_copy_(0, rows, chunk[first * per_block:first * per_block + len(rows)])
                 offset += size
 
     @torch.inference_mode()
