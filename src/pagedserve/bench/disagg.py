@@ -43,7 +43,7 @@ SERVE = [sys.executable, "-m", "pagedserve.cli", "serve", "--num-threads", "1", 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="1024,4096,8000", help="prompt tokens for the transfer rows (the "
                    "default model's context is 8192, so 16k prompts cannot be made)")
-    p.add_argument("--rates", default="0.05,0.1,0.2", help="request rates (req/s) for the interference rows")
+    p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="request rates (req/s) for the interference rows: up to where one prefill worker saturates")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per rate")
     p.add_argument("--long", default="2048,4096", help="min,max prompt tokens of the long requests")
     p.add_argument("--chat-output", type=int, default=256, help="output tokens of a chat")
