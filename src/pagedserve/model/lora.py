@@ -55,14 +55,14 @@ def weights_digest(layers: list[dict[str, LoRAWeights]]) -> str:
     """The same in every process that loaded the same weights in the same dtype (Python's hash() is not), so
     KV computed under an adapter keeps its identity when it moves between workers, and a reload with other
     weights under the same name is another identity."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()  # SHA-NI: ~1.2 GB/s here, faster than blake2b
     for i, layer in enumerate(layers):
         for module in sorted(layer):
             w = layer[module]
             h.update(f"{i}.{module}:{w.a.dtype}:{tuple(w.a.shape)}:{tuple(w.b.shape)};".encode())
             for t in (w.a, w.b):
                 h.update(t.contiguous().view(torch.uint8).numpy())
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
 def part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
