@@ -226,6 +226,8 @@ def plot(rows, path: Path) -> Path | None:
         axes[1].plot(rates, [_p(m[2], 99) for m in mine], marker=marker, label=name)
         axes[2].plot(rates, [m[3] for m in mine], marker=marker, label=name)
     for ax, title in zip(axes, ("chats' ITL p99 (ms)", "TTFT p99 (s)", "goodput (req/s)")):
+        if ax is not axes[2]:
+            ax.set_yscale("log")  # an interfered ITL is seconds where a clean one is milliseconds
         ax.set_xlabel("offered load (req/s)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
