@@ -205,36 +205,15 @@ def test_an_unclaimed_lease_expires_and_its_blocks_are_freed(workers):
     assert info["kv_role"] == "prefill" and info["block_size"] == 16 and info["kv_format"] == "float32"
 
 
-def test_short_prompts_skip_a_busy_prefill_pool(workers, tmp_path):
-    """Under disagg_min_prompt_tokens (256) a prompt goes to the decode pool whole, unless a prefill replica has
-    nothing in flight (disagg_short_to_idle_prefill, on by default)."""
+def test_short_prompts_skip_the_prefill_pool_by_default(workers, tmp_path):
     replicas = [{"url": workers["prefill"], "name": "prefill-0", "kv_role": "prefill"},
                 {"url": workers["decode"], "name": "decode-0", "kv_role": "decode"}]
-    short, long = "Short and to the point, twice: " + PROMPTS[1] * 2, "A long one. " + PROMPTS[0] * 8
-    with RouterProcess(tmp_path, replicas=replicas, disagg_short_to_idle_prefill=False) as router:
+    with RouterProcess(tmp_path, replicas=replicas) as router:  # disagg_min_prompt_tokens: 256
         router.wait_healthy(["prefill-0", "decode-0"], timeout=30)
+        short, long = "Short and to the point: " + PROMPTS[1], "A long one. " + PROMPTS[0] * 8
         for prompt in (short, long):
             assert texts(complete(router.url, prompt)) == texts(complete(workers["reference"], prompt))
         assert router.metric("pagedserve_router_prefills_total", result="handed_off") == 1  # the long one only
-    with RouterProcess(tmp_path, replicas=replicas) as router:
-        router.wait_healthy(["prefill-0", "decode-0"], timeout=30)
-        expected = texts(complete(workers["reference"], "Idle: " + short))
-        assert texts(complete(router.url, "Idle: " + short)) == expected
-        assert router.metric("pagedserve_router_prefills_total", result="handed_off") == 1  # the prefill pool was idle
-        longer = "Longer still. " + PROMPTS[0] * 16  # ~600 tokens: seconds of fp32 prefill on one thread
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(complete, router.url, longer, max_tokens=2)
-            wait_for(lambda: prefill_inflight(router) == 1, 30, "the long prompt to be at the prefill replica")
-            assert texts(complete(router.url, "Busy: " + short)) == texts(complete(workers["reference"],
-                                                                                    "Busy: " + short))
-            busy.result()
-        # The long one was handed off; the short one sent while it prefilled went around the prefill pool.
-        assert router.metric("pagedserve_router_prefills_total", result="handed_off") == 2
-
-
-def prefill_inflight(router: RouterProcess) -> int:
-    replicas = httpx.get(router.url + "/health", timeout=5).json()["replicas"]
-    return next(r["inflight_requests"] for r in replicas if r["name"] == "prefill-0")
 
 
 def test_a_decode_worker_whose_blocks_cannot_move_is_refused_at_registration(workers, tmp_path):

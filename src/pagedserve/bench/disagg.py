@@ -286,8 +286,8 @@ def verdict(rows) -> str:
 
 NOTES = ("- Where the time goes, by construction of this setup: the disaggregated pair has one core for every "
          "prefill of a long prompt where the co-located pair has two, so its long prompts' TTFT grows first as the "
-         "rate rises; chats' short prompts go to the prefill worker only while it is idle (disagg_min_prompt_tokens "
-         "256, disagg_short_to_idle_prefill), else they are computed on the decode worker, which decodes every chat (twice the batch of each co-located replica), computes each "
+         "rate rises; chats' short prompts skip the prefill pool (disagg_min_prompt_tokens 256) and are computed on "
+         "the decode worker, which decodes every chat (twice the batch of each co-located replica), computes each "
          "long prompt's last partial block and imports its blocks 32 at a time between steps. A co-located "
          "replica runs a long prompt's prefill in token-budgeted chunks (2048 tokens, seconds on one core) in the "
          "same steps as its chats' decodes: those pauses are what disaggregation removes. TTFT of 2-4k-token "

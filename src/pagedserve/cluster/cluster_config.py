@@ -66,12 +66,9 @@ class ClusterConfig:
     # adapter on one more replica.
     lora_modules: dict[str, str] = field(default_factory=dict)
     lora_spill_inflight: int = 8
-    # Disaggregated: prompts shorter than this (estimated tokens) skip a busy prefill pool and are computed whole
-    # on a decode replica, where their prefill costs less than a queue at the prefill pool and a transfer...
+    # Disaggregated: prompts shorter than this (estimated tokens) skip the prefill pool and are computed whole on
+    # a decode replica, where their prefill costs less than a queue at the prefill pool and a transfer.
     disagg_min_prompt_tokens: int = 256
-    # ...but go to a prefill replica with nothing in flight (from 32 tokens): the decode replica then computes
-    # only the last partial block instead of pausing its running decodes for the whole prompt.
-    disagg_short_to_idle_prefill: bool = True
     max_body_bytes: int = 8 * 2**20  # 413 beyond, however the body is sent (a replica's own default)
     session_header: str = "x-session-id"
     residency_header: str = "x-residency"

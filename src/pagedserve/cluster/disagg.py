@@ -6,9 +6,7 @@ pulls the blocks it lacks and streams the answer to the client (server/kv_transf
 
 A prefill replica that fails is retried on another; when none succeeds the request goes to the decode pool
 without a handle and is computed there whole: slower, never lost. Prompts shorter than
-`disagg_min_prompt_tokens` (default 256) go straight to the decode pool, unless a prefill replica has nothing in
-flight (`disagg_short_to_idle_prefill`): an idle prefill replica costs them no queue, and takes their prefill
-off the decode replica's steps. A request for a LoRA adapter goes to
+`disagg_min_prompt_tokens` (default 256) go straight to the decode pool. A request for a LoRA adapter goes to
 a prefill replica that holds it (or loads it there first, as for decoding); its blocks travel under the
 adapter's identity (server/kv_transfer.py).
 """
@@ -25,14 +23,13 @@ from pagedserve.cluster.router import NoReplicaError, Router
 
 log = logging.getLogger(__name__)
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions"}
-MIN_TRANSFER_TOKENS = 32  # two blocks at the default block size: below it a transfer saves next to nothing
 
 
 async def prefill_first(router: Router, fwd):
     """The Forward the decode pool gets: with the prefill replica's handle, or unchanged (recompute)."""
     payload = json.loads(fwd.body)
-    short = fwd.req.prompt_tokens < router.config.disagg_min_prompt_tokens
-    if fwd.endpoint not in ENDPOINTS or "kv_transfer_params" in payload or (short and not _idle_prefill(router, fwd)):
+    if (fwd.endpoint not in ENDPOINTS or "kv_transfer_params" in payload
+            or fwd.req.prompt_tokens < router.config.disagg_min_prompt_tokens):
         return fwd
     body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
     body["kv_transfer_params"] = {"do_remote_decode": True}
@@ -79,11 +76,6 @@ async def prefill_first(router: Router, fwd):
         router.metrics.prefills.labels(replica.name, result).inc()
         log.warning("prefill on %s failed (%s); trying another", replica.name, result)
     return fwd
-
-
-def _idle_prefill(router: Router, fwd) -> bool:
-    return (router.config.disagg_short_to_idle_prefill and fwd.req.prompt_tokens >= MIN_TRANSFER_TOKENS
-            and any(r.kv_role == "prefill" and r.healthy and r.inflight_requests == 0 for r in router.replicas))
 
 
 def _handle(response: httpx.Response) -> dict | None:
