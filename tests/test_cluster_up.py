@@ -1,4 +1,6 @@
-"""`pagedserve cluster up`: replicas and router start together, answer, and all stop on SIGTERM."""
+"""`pagedserve cluster up`: replicas and router start together, answer, and all stop on SIGTERM. On Ray the
+cluster runs disaggregated: a one-machine Ray cluster on loopback, whose object store moves the KV blocks."""
+import os
 import signal
 import subprocess
 import sys
@@ -6,21 +8,22 @@ import sys
 import httpx
 import openai
 import pytest
-from router_support import completions_served, wait_for
+from router_support import completions_served, metric_sum, wait_for
 
 from pagedserve.cluster.launcher import free_port
+from pagedserve.cluster.ray_launcher import SINGLE_MACHINE_ENV
 
 ENGINE_ARGS = ["--kv-cache-memory", "32MiB", "--max-num-seqs", "4", "--max-model-len", "512"]
 SERVE_ARGS = "--embedding-model none --disable-access-log"
 
 
-def run_cluster(tmp_path, backend_args: list[str], startup: float):
+def run_cluster(tmp_path, backend_args: list[str], startup: float, check=None, serve_args: str = SERVE_ARGS):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "cluster.log", "wb")  # noqa: SIM115 - closed after the process ends
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "cluster", "up", "--replicas", "2", "--port", str(port),
-         "--policy", "round_robin", "--log-dir", str(tmp_path), "--serve-args", SERVE_ARGS,
+        [sys.executable, "-m", "pagedserve.cli", "cluster", "up", "--port", str(port),
+         "--policy", "round_robin", "--log-dir", str(tmp_path), "--serve-args", serve_args,
          *backend_args, *ENGINE_ARGS], stdout=log, stderr=subprocess.STDOUT)
 
     def up() -> list[dict] | None:
@@ -34,7 +37,8 @@ def run_cluster(tmp_path, backend_args: list[str], startup: float):
 
     try:
         replicas = wait_for(up, startup, "cluster up", interval=0.5)
-        check_and_stop(process, url, [r["url"] for r in replicas])
+        (check or check_round_robin)(url, replicas)
+        stop(process, [url, *[r["url"] for r in replicas]])
     finally:
         if process.poll() is None:
             process.kill()
@@ -42,7 +46,8 @@ def run_cluster(tmp_path, backend_args: list[str], startup: float):
         log.close()
 
 
-def check_and_stop(process: subprocess.Popen, url: str, replica_urls: list[str]) -> None:
+def check_round_robin(url: str, replicas: list[dict]) -> None:
+    replica_urls = [r["url"] for r in replicas]
     assert len(replica_urls) == 2
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     before = [completions_served(u) for u in replica_urls]
@@ -50,18 +55,84 @@ def check_and_stop(process: subprocess.Popen, url: str, replica_urls: list[str])
         answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2)
         assert answer.usage.completion_tokens == 2
     assert [completions_served(u) - b for u, b in zip(replica_urls, before, strict=True)] == [1, 1]
+
+
+def stop(process: subprocess.Popen, urls: list[str]) -> None:
     process.send_signal(signal.SIGTERM)
     assert process.wait(60) in (0, 15, 143, -signal.SIGTERM)  # Ray exits with the signal number
-    for replica in [url, *replica_urls]:
+    for url in urls:
         with pytest.raises(httpx.ConnectError):
-            httpx.get(replica + "/health", timeout=2)
+            httpx.get(url + "/health", timeout=2)
+
+
+# Run in a fresh interpreter, as a driver of the cluster: whether an object (its reference on stdin) is still in
+# the object store. Ray reads its single-machine switch when first imported, hence the subprocess; `cluster up`
+# started Ray with token authentication (Ray's default), whose token it saved in ~/.ray/auth_token.
+PROBE = """
+import base64, sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+ref = ray.cloudpickle.loads(base64.b64decode(sys.stdin.read()))
+try:
+    print("ok", len(ray.get(ref, timeout=30)))
+except (ray.exceptions.ObjectFreedError, ray.exceptions.ObjectLostError) as e:
+    print("gone", type(e).__name__)
+"""
+
+
+def in_store(cluster: str, object_ref: str) -> str:
+    done = subprocess.run([sys.executable, "-c", PROBE, cluster], input=object_ref, capture_output=True, text=True, check=False,
+                          timeout=120, env={**os.environ, SINGLE_MACHINE_ENV: "0", "RAY_AUTH_MODE": "token"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def check_disaggregated_on_ray(url: str, replicas: list[dict]) -> None:
+    """The router hands a long prompt from the prefill replica to the decode replica; the blocks move through
+    the object store (the workers joined the one-machine cluster, on loopback) and no object outlives its lease,
+    released or expired."""
+    by_role = {r["kv_role"]: r["url"] for r in replicas}
+    prefill, decode = by_role["prefill"], by_role["decode"]
+    infos = [httpx.get(u + "/v1/kv/info", timeout=10).json() for u in (prefill, decode)]
+    cluster = infos[0]["ray_cluster"]
+    assert cluster and cluster == infos[1]["ray_cluster"] and cluster.startswith("127.0.0.1:")
+    assert all(u.startswith("http://127.0.0.1:") for u in (prefill, decode))
+
+    prompt = "The three laws of robotics are, in the words of the stories that made them famous, " * 16  # > 256
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=16, temperature=0)
+    assert answer.usage.prompt_tokens_details.cached_tokens >= 256  # the decode worker read the moved blocks
+    assert metric_sum(decode, "pagedserve_kv_transfer_blocks_total", direction="in", transport="ray") >= 16
+    assert metric_sum(decode, "pagedserve_kv_transfer_failures_total") == 0
+    # fp32 on both: the prefill worker's own continuation of the prompt, from the blocks it sent, is the same text
+    plain = httpx.post(prefill + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 16, "temperature": 0}).json()
+    assert answer.choices[0].text == plain["choices"][0]["text"]
+
+    # A lease's object: readable by any driver of the cluster while the lease lives, gone once it is released...
+    for release in (True, False):
+        handle = httpx.post(prefill + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        lease = f"{prefill}/v1/kv/leases/{handle['kv_transfer_params']['lease_id']}"
+        obj = httpx.get(lease, params={"via": "ray"}, timeout=60).json()
+        assert obj["cluster"] == cluster and in_store(cluster, obj["object_ref"]) == f"ok {obj['bytes']}"
+        if release:
+            assert httpx.delete(lease, timeout=10).status_code == 200
+        else:  # ... or once it expires unclaimed (--kv-lease-s 5)
+            wait_for(lambda: metric_sum(prefill, "pagedserve_kv_transfer_leased_blocks") == 0, 30, "lease expiry")
+            assert httpx.get(lease, timeout=10).status_code == 404
+        # Ray frees it once every borrower (the probe above, a process that has exited) has let go: soon after
+        ref = obj["object_ref"]
+        wait_for(lambda ref=ref: in_store(cluster, ref).startswith("gone"), 60, "the object to be freed")
 
 
 @pytest.mark.slow
 def test_cluster_up_local(tmp_path):
-    run_cluster(tmp_path, [], startup=180)
+    run_cluster(tmp_path, ["--replicas", "2"], startup=180)
 
 
 @pytest.mark.slow
-def test_cluster_up_ray(tmp_path):
-    run_cluster(tmp_path, ["--backend", "ray", "--replica-cpus", "0.5"], startup=240)
+def test_cluster_up_ray_disaggregated(tmp_path):
+    run_cluster(tmp_path, ["--backend", "ray", "--prefill", "1", "--decode", "1", "--replica-cpus", "0.5",
+                           "--dtype", "float32"], startup=240, check=check_disaggregated_on_ray,
+                serve_args=SERVE_ARGS + " --kv-lease-s 5 --kv-transport ray")

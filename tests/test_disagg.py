@@ -8,6 +8,8 @@ import concurrent.futures
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -189,6 +191,9 @@ def test_failed_pulls_are_recomputed_or_refused_and_leave_no_block_held(workers)
         response = httpx.post(url + "/v1/completions", json={"prompt": prompt, "kv_transfer_params": params},
                               timeout=60)
         assert response.status_code == 400 and (code is None or response.json()["error"]["code"] == code), params
+    # The object store, asked of a worker outside any Ray cluster: a clear 400, and the lease stays for TCP.
+    asked = httpx.get(f"{workers['prefill']}/v1/kv/leases/{good['lease_id']}", params={"via": "ray"}, timeout=10)
+    assert asked.status_code == 400 and asked.json()["error"]["code"] == "kv_transport_unavailable"
     # The good handle still works after all that, and its lease is then released.
     assert texts(complete(decode, prompt, kv_transfer_params=good)) == expected
     wait_for(lambda: idle(decode) and idle(workers["prefill"]) and idle(workers["strict"]), 15, "no block held")
@@ -300,3 +305,9 @@ def test_a_dead_prefill_worker_costs_recomputation_not_the_request(workers):
     assert router.metric("pagedserve_router_prefills_total", replica="prefill-0", result="ConnectError") >= 1 \
         or router.replica_states()["prefill-0"] is False
     wait_for(lambda: idle(workers["decode"]), 15, "the decode worker to hold no block")
+
+
+def test_the_object_store_transport_needs_a_ray_cluster():
+    done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--kv-transport", "ray",
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0 and "--kv-transport ray needs --ray-address" in done.stderr

@@ -106,3 +106,17 @@ def test_quantized_blocks_travel_with_their_scales(kv_cache_dtype):
     assert len(data) == prefill.runner.export_size(len(lease.block_ids))
     assert len(lease.block_ids) > 3 and import_in_parts(decode, ids, data, len(lease.block_ids)) == len(lease.block_ids)
     assert greedy(decode, "d", ids) == greedy(reference, "r", ids)
+
+
+def test_a_shared_memory_segment_is_read_in_place_and_its_name_is_gone():
+    from pagedserve.server import kv_shm
+
+    payload = bytes(range(256)) * 1000
+    name = kv_shm.write(payload)
+    view = kv_shm.take(name, len(payload))
+    assert view.readonly and bytes(view) == payload
+    with pytest.raises(FileNotFoundError):  # taken once: a second decode worker cannot read it again
+        kv_shm.take(name, len(payload))
+    short = kv_shm.write(payload[:100])
+    with pytest.raises(ValueError, match="fewer than"):
+        kv_shm.take(short, len(payload))

@@ -106,39 +106,80 @@ def pull_seconds(url: str) -> tuple[float, float]:
     return values.get("pagedserve_kv_transfer_seconds_sum", 0.0), values.get("pagedserve_kv_transfer_seconds_count", 0)
 
 
+TRANSPORTS = ("tcp", "shm", "ray")
+
+
+@contextlib.contextmanager
+def local_ray():
+    """A one-machine Ray cluster on loopback for the object-store transport (its GCS address), or None without
+    Ray installed."""
+    try:
+        from pagedserve.cluster.ray_launcher import use_loopback
+
+        use_loopback()
+        import ray
+    except ImportError:
+        yield None
+        return
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def lease(prefill: str, body: dict) -> dict:
+    """A prefill half: the prompt computed (or found cached) and its blocks leased; the handle."""
+    return httpx.post(prefill + "/v1/completions", timeout=1200, json={
+        **body, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+
+
 def transfer_rows(args, tmp: Path, tokens: list[int]) -> list[dict]:
-    prefill_port, decode_port = free_port(), free_port()
-    prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
+    """Per prompt length: the blocks pulled over HTTP by this process, and by a decode worker per transport (each
+    a fresh lease of the same prompt, which the prefill worker then has cached)."""
     common = [*SERVE, "--kv-cache-memory", args.kv_cache_memory]
     rows = []
-    with process([*common, "--port", str(prefill_port), "--kv-role", "prefill", "--kv-lease-s", "600"], prefill,
-                 tmp / "transfer-prefill.log", {0}), \
-            process([*common, "--port", str(decode_port), "--kv-role", "decode"], decode,
-                    tmp / "transfer-decode.log", {1}):
+    with local_ray() as cluster, contextlib.ExitStack() as stack:
+        join = ["--ray-address", cluster] if cluster else []
+        port = free_port()
+        prefill = f"http://127.0.0.1:{port}"
+        stack.enter_context(process([*common, "--port", str(port), "--kv-role", "prefill", "--kv-lease-s", "600",
+                                     *join], prefill, tmp / "transfer-prefill.log", {0}))
+        decoders = {}
+        for transport in TRANSPORTS if cluster else TRANSPORTS[:2]:
+            port = free_port()
+            decoders[transport] = f"http://127.0.0.1:{port}"
+            stack.enter_context(process([*common, "--port", str(port), "--kv-role", "decode", "--kv-transport",
+                                         transport, *join], decoders[transport], tmp / f"transfer-{transport}.log",
+                                        {1}))
         for n, length in enumerate(int(x) for x in args.lengths.split(",")):
             prompt = tokens[n * 97:n * 97 + length]
             body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+
             start = time.perf_counter()
-            answer = httpx.post(prefill + "/v1/completions", json={**body, "kv_transfer_params": {
-                "do_remote_decode": True}}, timeout=1200).json()
+            handle = lease(prefill, body)
             prefill_s = time.perf_counter() - start
-            handle = answer["kv_transfer_params"]
             gets = []
             for _ in range(3):
                 start = time.perf_counter()
                 data = httpx.get(f"{prefill}/v1/kv/leases/{handle['lease_id']}", timeout=600).content
                 gets.append(time.perf_counter() - start)
-            before = pull_seconds(decode)
-            decoded = httpx.post(decode + "/v1/completions", timeout=1200, json={**body, "kv_transfer_params": {
-                "do_remote_prefill": True, "remote_url": prefill, **handle}}).json()
-            after = pull_seconds(decode)
-            cached = decoded["usage"]["prompt_tokens_details"]["cached_tokens"]
+            pulls, cached = {}, []
+            for transport, decode in decoders.items():
+                handle = lease(prefill, body)
+                before = pull_seconds(decode)
+                decoded = httpx.post(decode + "/v1/completions", timeout=1200, json={**body, "kv_transfer_params": {
+                    "do_remote_prefill": True, "remote_url": prefill, **handle}}).json()
+                after = pull_seconds(decode)
+                pulls[transport] = after[0] - before[0] if after[1] > before[1] else float("nan")
+                cached.append(decoded["usage"]["prompt_tokens_details"]["cached_tokens"])
             rows.append({"tokens": length, "blocks": handle["num_blocks"], "bytes": len(data),
                          "kv_format": handle["kv_format"], "prefill_s": prefill_s, "get_s": statistics.median(gets),
-                         "pull_s": after[0] - before[0], "pulls": after[1] - before[1], "cached": cached,
-                         "memcpy_s": memcpy_s(len(data)), "loopback_s": loopback_s(len(data))})
+                         "pulls": pulls, "cached": min(cached), "memcpy_s": memcpy_s(len(data)),
+                         "loopback_s": loopback_s(len(data))})
             print(f"transfer {length} tokens: {len(data) / 1e6:.1f} MB, GET {statistics.median(gets) * 1e3:.0f} ms, "
-                  f"pull+import {(after[0] - before[0]) * 1e3:.0f} ms, {cached} tokens cached", flush=True)
+                  "pull+import " + ", ".join(f"{t} {v * 1e3:.0f} ms" for t, v in pulls.items()) +
+                  f"; {min(cached)} tokens cached", flush=True)
     return rows
 
 
@@ -239,16 +280,19 @@ def plot(rows, path: Path) -> Path | None:
 
 def render(args, transfer: list[dict], rows, figure: Path | None) -> str:
     lines = [f"Command: `{command_line()}`", "", machine_line(), "",
-             ("Transfer of one prompt's KV blocks (bytes as stored; the decode worker's pull includes the import "
-              "into its pool):"), "",
-             ("| prompt tokens | blocks | KV MB | format | HTTP GET ms (GB/s) | decode worker's pull + import ms | "
+             ("Transfer of one prompt's KV blocks (bytes as stored). HTTP GET: this process reads the lease's "
+              "blocks; pull + import: a decode worker's whole pull (asking for the blocks, moving them over the "
+              "transport, importing them into its pool 32 blocks per engine call) per transport: TCP (HTTP), "
+              "shared memory (/dev/shm) and the Ray object store (a one-machine Ray cluster, both workers joined "
+              "as drivers):"), "",
+             ("| prompt tokens | blocks | KV MB | format | HTTP GET ms (GB/s) | pull + import ms: tcp / shm / ray | "
               "memcpy ms (GB/s) | loopback TCP ms (GB/s) | prefill s | tokens cached after the pull |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in transfer:
         gb = r["bytes"] / 1e9
-        pull = r["pull_s"] * 1e3 if r["pulls"] else float("nan")
+        pulls = " / ".join(f"{r['pulls'][t] * 1e3:.0f}" if t in r["pulls"] else "-" for t in TRANSPORTS)
         lines.append(f"| {r['tokens']} | {r['blocks']} | {r['bytes'] / 1e6:.1f} | {r['kv_format']} | "
-                     f"{r['get_s'] * 1e3:.0f} ({gb / r['get_s']:.2f}) | {pull:.0f} | {r['memcpy_s'] * 1e3:.1f} "
+                     f"{r['get_s'] * 1e3:.0f} ({gb / r['get_s']:.2f}) | {pulls} | {r['memcpy_s'] * 1e3:.1f} "
                      f"({gb / r['memcpy_s']:.1f}) | {r['loopback_s'] * 1e3:.1f} ({gb / r['loopback_s']:.2f}) | "
                      f"{r['prefill_s']:.1f} | {r['cached']} |")
     lo, hi = args.long.split(",")

@@ -1,6 +1,8 @@
 """Replicas as Ray actors: each actor runs one `pagedserve serve` process on its node and reports the URL,
 so the same router fronts replicas on many machines. Fractional CPU reservations let a small machine
-hold several replicas and the router."""
+hold several replicas and the router. A cluster started here is one machine's: its node and actors are addressed
+on loopback. Disaggregated replicas join the cluster themselves (`serve --ray-address`), so that KV blocks move
+between them through its object store."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +16,7 @@ from typing import Self
 from pagedserve.cluster.launcher import ReplicaProcess, free_port, serve_command, wait_healthy
 
 log = logging.getLogger(__name__)
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a one-machine cluster, addressed on loopback
 
 
 # Sets PR_SET_PDEATHSIG (kept across exec), then becomes the replica: a crashed actor leaks no process.
@@ -23,6 +26,16 @@ DIE_WITH_PARENT = "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, si
 
 def die_with_parent(command: list[str]) -> list[str]:
     return [sys.executable, "-c", DIE_WITH_PARENT, *command]
+
+
+def use_loopback() -> None:
+    """Makes a Ray cluster started by this process a single machine's, on 127.0.0.1: Ray otherwise binds and
+    advertises the host's outward address. Its switch for single-machine clusters is read when Ray is first
+    imported, and its processes inherit it."""
+    if "ray" in sys.modules and os.environ.get(SINGLE_MACHINE_ENV) != "0":
+        log.warning("Ray was imported before the local cluster started: it will use the host's address, not "
+                    "loopback")
+    os.environ[SINGLE_MACHINE_ENV] = "0"
 
 
 class ReplicaActor:
@@ -61,6 +74,8 @@ class RayCluster:
         self._owns_ray = False
 
     def start(self) -> RayCluster:
+        if not self.address:
+            use_loopback()
         import ray
 
         if not ray.is_initialized():
@@ -68,9 +83,10 @@ class RayCluster:
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False, **local)
             self._owns_ray = True
         remote_actor = ray.remote(num_cpus=self.replica_cpus)(ReplicaActor)
+        join = ["--ray-address", ray.get_runtime_context().gcs_address] if set(self.roles) != {"both"} else []
         try:
-            self.actors = [remote_actor.remote(f"ray-replica-{i}", [*self.serve_args, "--kv-role", self.roles[i]],
-                                               self.host)
+            self.actors = [remote_actor.remote(f"ray-replica-{i}",
+                                               [*self.serve_args, "--kv-role", self.roles[i], *join], self.host)
                            for i in range(self.num_replicas)]
             self._urls = ray.get([a.wait_url.remote(self.startup_timeout) for a in self.actors])
         except BaseException:

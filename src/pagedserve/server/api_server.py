@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def build_state(args: argparse.Namespace) -> ServerState:
+    if args.kv_transport == "ray" and not args.ray_address:
+        raise SystemExit("--kv-transport ray needs --ray-address (the Ray cluster whose object store moves the "
+                         "blocks)")
     engine = AsyncLLM.from_config(EngineConfig.from_args(args))
     embedder = None
     if args.embedding_model != "none":
@@ -41,6 +44,13 @@ def build_state(args: argparse.Namespace) -> ServerState:
                         disagg=Disaggregation(args.kv_role, args.kv_load_failure, args.kv_pull_timeout_s,
                                               args.kv_transport))
     engine.engine.kv_transfer.lease_s = args.kv_lease_s
+    if args.ray_address:
+        from pagedserve.server import kv_ray
+
+        try:
+            state.disagg.ray_cluster = kv_ray.join(args.ray_address)
+        except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; any of them stops the start
+            raise SystemExit(f"--ray-address {args.ray_address}: cannot join the Ray cluster: {exc}") from None
     try:
         register_startup_adapters(state, parse_lora_modules(args.lora_modules or []))
     except ValueError as exc:

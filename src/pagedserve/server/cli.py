@@ -50,9 +50,13 @@ def add_disaggregation_args(parser: argparse.ArgumentParser) -> None:
                         "prompt (default) or fails the request with a 502")
     g.add_argument("--kv-lease-s", type=float, default=30.0,
                    help="seconds a prefill worker keeps a prompt's blocks pinned for the decode worker's pull")
-    g.add_argument("--kv-transport", choices=["auto", "tcp", "shm"], default="auto",
-                   help="how a decode worker pulls blocks: shared memory from a prefill worker on this host and "
-                        "TCP (HTTP) otherwise (auto, default), or always one of them")
+    g.add_argument("--kv-transport", choices=["auto", "tcp", "shm", "ray"], default="auto",
+                   help="how a decode worker pulls blocks: shared memory from a prefill worker on this host, the "
+                        "Ray object store from one in the same Ray cluster (--ray-address) and TCP (HTTP) "
+                        "otherwise (auto, default), or always one of them")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (its GCS address) so that KV blocks can move through its object "
+                        "store; `cluster up --backend ray` sets it on disaggregated replicas")
     g.add_argument("--kv-pull-timeout-s", type=float, default=10.0,
                    help="a decode worker's deadline for one pull (then --kv-load-failure applies)")
 

@@ -1,11 +1,14 @@
 """KV blocks handed over through shared memory when the prefill and decode workers share a host: the prefill
 worker writes a lease's blocks into a named segment (/dev/shm) and answers with its name; the decode worker
-copies them out and unlinks it. About one memory copy each way instead of a loopback socket's several. A
-segment the decode worker never took is unlinked with its lease (released or expired)."""
+maps it, unlinks the name and imports the blocks straight from the mapping. One memory copy on each side
+instead of a loopback socket's several. A segment the decode worker never took is unlinked with its lease
+(released or expired)."""
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import mmap
+import os
 import socket
 from multiprocessing import resource_tracker, shared_memory
 from urllib.parse import urlsplit
@@ -20,15 +23,20 @@ def write(data: bytes | memoryview) -> str:
     return segment.name
 
 
-def take(name: str, size: int) -> bytes:
-    """The segment's first size bytes; the segment is gone afterwards. FileNotFoundError: not on this host."""
-    segment = shared_memory.SharedMemory(name=name)
+def take(name: str, size: int) -> memoryview:
+    """The segment's first size bytes, read-only and mapped (not copied): its name is gone at once, its memory
+    when the last view of it is dropped. FileNotFoundError: not on this host; ValueError: shorter than size."""
+    path = os.path.join("/dev/shm", name.lstrip("/"))  # where Linux keeps POSIX shared memory
+    fd = os.open(path, os.O_RDONLY)
     try:
-        return bytes(segment.buf[:size])
+        os.unlink(path)
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"shared-memory segment {name} holds fewer than the {size} bytes announced")
+        if size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
     finally:
-        segment.close()
-        with contextlib.suppress(FileNotFoundError):
-            segment.unlink()  # also unregisters it from this process's tracker
+        os.close(fd)
 
 
 def discard(name: str) -> None:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.engine.kv_transfer import tokens_sha
 from pagedserve.lora_request import LoRARequest
-from pagedserve.server import kv_shm
+from pagedserve.server import kv_ray, kv_shm
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import KVTransferParams
 
@@ -40,9 +40,12 @@ class Disaggregation:
     role: Literal["prefill", "decode", "both"] = "both"
     load_failure: Literal["recompute", "fail"] = "recompute"
     pull_timeout_s: float = 10.0
-    transport: Literal["auto", "tcp", "shm"] = "auto"  # auto: shared memory with a worker on this host
+    # auto: shared memory with a worker on this host, the Ray object store with one in our Ray cluster, else TCP
+    transport: Literal["auto", "tcp", "shm", "ray"] = "auto"
+    ray_cluster: str | None = None  # the GCS address of the Ray cluster this worker joined
     client: httpx.AsyncClient | None = field(default=None, repr=False)
     segments: dict[str, list[str]] = field(default_factory=dict)  # lease id -> shared-memory segments written
+    objects: dict[str, list] = field(default_factory=dict)  # lease id -> Ray object references put
 
     def http(self) -> httpx.AsyncClient:
         if self.client is None:
@@ -146,18 +149,43 @@ async def _pull(state, engine, prompt_ids: list[int], kv: KVTransferParams, salt
     _release(state, kv)
 
 
-async def _fetch(state, kv: KVTransferParams, start: int) -> tuple[str, bytes]:
-    """(transport, the blocks from `start` on): through shared memory from a worker on this host, else TCP."""
+def _transport(disagg: Disaggregation, remote_url: str) -> str:
+    if disagg.transport != "auto":
+        return disagg.transport
+    if kv_shm.same_host(remote_url):
+        return "shm"
+    return "ray" if disagg.ray_cluster is not None else "tcp"
+
+
+async def _fetch(state, kv: KVTransferParams, start: int) -> tuple[str, bytes | memoryview]:
+    """(transport, the blocks from `start` on): through shared memory from a worker on this host, the Ray
+    object store from one in the same Ray cluster, else TCP. Where the chosen way turns out unavailable (another
+    host after all, a prefill worker outside our Ray cluster), the lease is still there and TCP takes it."""
     url = f"{kv.remote_url.rstrip('/')}/v1/kv/leases/{kv.lease_id}"
-    shm = state.disagg.transport == "shm" or (state.disagg.transport == "auto" and kv_shm.same_host(kv.remote_url))
-    response = await _get(state, url, {"start": start, "via": "shm"} if shm else {"start": start})
-    if not shm:
-        return "tcp", response.content
-    segment = response.json()
-    try:
-        return "shm", await asyncio.to_thread(kv_shm.take, segment["name"], segment["bytes"])
-    except FileNotFoundError:  # the same name, another machine after all: the lease is still there
+    transport = _transport(state.disagg, kv.remote_url)
+    if transport == "tcp":
         return "tcp", (await _get(state, url, {"start": start})).content
+    if transport == "ray" and state.disagg.ray_cluster is None:
+        raise TransferFailed("mismatch", "--kv-transport ray needs --ray-address (this worker is not in a Ray "
+                                         "cluster)")
+    handle = (await _get(state, url, {"start": start, "via": transport})).json()
+    if transport == "shm":
+        try:
+            return "shm", await asyncio.to_thread(kv_shm.take, handle["name"], handle["bytes"])
+        except FileNotFoundError:  # the same name, another machine after all
+            return "tcp", (await _get(state, url, {"start": start})).content
+        except ValueError as e:
+            raise TransferFailed("bad_payload", str(e)) from None
+    if handle.get("cluster") != state.disagg.ray_cluster:
+        return "tcp", (await _get(state, url, {"start": start})).content
+    try:
+        data = await asyncio.to_thread(kv_ray.take, handle["object_ref"], state.disagg.pull_timeout_s)
+    except kv_ray.errors() as e:
+        raise TransferFailed("timeout" if isinstance(e, TimeoutError) else "unreachable", repr(e)) from None
+    if len(data) != handle["bytes"]:
+        raise TransferFailed("bad_payload", f"{len(data)} bytes in the object store; the handle said "
+                                            f"{handle['bytes']}")
+    return "ray", data
 
 
 async def _get(state, url: str, params: dict) -> httpx.Response:
@@ -192,17 +220,23 @@ def kv_routes(state) -> APIRouter:
 
     @router.get("/v1/kv/info")
     async def info() -> dict:
-        """What a router checks before pairing workers: same model, block size and KV format."""
+        """What a router checks before pairing workers: same model, block size and KV format; and the Ray cluster
+        this worker joined (its GCS address), if any."""
         return {"kv_role": state.disagg.role, "model": state.model_name, "block_size": engine.kv.block_size,
-                "kv_format": engine.kv_format.name, "lease_s": engine.kv_transfer.lease_s}
+                "kv_format": engine.kv_format.name, "lease_s": engine.kv_transfer.lease_s,
+                "ray_cluster": state.disagg.ray_cluster}
 
     @router.get("/v1/kv/leases/{lease_id}", response_class=Response,
                 responses={200: {"content": {"application/octet-stream": {}}, "description": "the blocks' KV"}})
-    async def export(lease_id: str, start: int = 0, via: Literal["tcp", "shm"] = "tcp") -> Response:
-        """The lease's blocks from `start` on, in the body (tcp) or in a shared-memory segment named in a JSON
-        body (shm; for a decode worker on this host, which unlinks it)."""
+    async def export(lease_id: str, start: int = 0, via: Literal["tcp", "shm", "ray"] = "tcp") -> Response:
+        """The lease's blocks from `start` on, in the body (tcp), or named in a JSON body: a shared-memory
+        segment (shm; for a decode worker on this host, which unlinks it) or an object in the Ray object store
+        (ray; for a decode worker in this worker's Ray cluster, which the body names)."""
         if start < 0:
             raise APIError(400, "start must be >= 0", "start")
+        if via == "ray" and state.disagg.ray_cluster is None:
+            raise APIError(400, "this worker is not in a Ray cluster (serve --ray-address): pull over tcp",
+                           "via", "kv_transport_unavailable")
         try:
             data, count = await state.engine.call(lambda: _export(engine, lease_id, start))
         except KeyError as e:
@@ -214,6 +248,11 @@ def kv_routes(state) -> APIRouter:
             name = await asyncio.to_thread(kv_shm.write, data)
             state.disagg.segments.setdefault(lease_id, []).append(name)
             return JSONResponse({"name": name, "bytes": len(data)}, headers=headers)
+        if via == "ray":
+            serialized, ref = await asyncio.to_thread(kv_ray.put, data)
+            state.disagg.objects.setdefault(lease_id, []).append(ref)
+            return JSONResponse({"object_ref": serialized, "bytes": len(data), "cluster": state.disagg.ray_cluster},
+                                headers=headers)
         return Response(data, media_type="application/octet-stream", headers=headers)
 
     @router.delete("/v1/kv/leases/{lease_id}")
@@ -242,11 +281,13 @@ async def expire_leases(state, every_s: float = 1.0) -> None:
             expired = await state.engine.call(engine.kv_transfer.expire)
             if expired:
                 log.warning("%d KV lease(s) expired unclaimed; their blocks are free again", expired)
-        for lease_id in [i for i in state.disagg.segments if i not in engine.kv_transfer.leases]:
+        for lease_id in {*state.disagg.segments, *state.disagg.objects} - engine.kv_transfer.leases.keys():
             _discard_segments(state, lease_id)
 
 
 def _discard_segments(state, lease_id: str) -> None:
-    """Segments of a lease that is over: those its decode worker took are gone already."""
+    """Segments and objects of a lease that is over: the segments its decode worker took are gone already."""
     for name in state.disagg.segments.pop(lease_id, []):
         kv_shm.discard(name)
+    if refs := state.disagg.objects.pop(lease_id, []):
+        kv_ray.free(refs)

@@ -119,7 +119,7 @@ class ServerMetrics:
     def watch_transfers(self) -> None:
         """KV transfers between prefill and decode workers: blocks and bytes each way, pull latency, failures."""
         self.kv_blocks = Counter("pagedserve_kv_transfer_blocks", "KV blocks sent (out) or received (in), by "
-                                 "transport (tcp, shm)", ["direction", "transport"], registry=self.registry)
+                                 "transport (tcp, shm, ray)", ["direction", "transport"], registry=self.registry)
         self.kv_bytes = Counter("pagedserve_kv_transfer_bytes", "bytes of KV sent (out) or received (in), by "
                                 "transport", ["direction", "transport"], registry=self.registry)
         self.kv_seconds = Histogram("pagedserve_kv_transfer_seconds", "a decode worker's pull of one prompt's blocks",
