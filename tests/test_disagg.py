@@ -87,10 +87,14 @@ def test_greedy_output_through_prefill_and_decode_workers_matches_one_server(wor
     # Streamed chat: the same tokens as the reference's non-streamed answer.
     body = {"messages": CHAT, "max_tokens": 24, "temperature": 0}
     expected = httpx.post(workers["reference"] + "/v1/chat/completions", json=body, timeout=300).json()
+    generated = metric_sum(workers["decode"], "pagedserve_generation_tokens_total")
     with httpx.stream("POST", router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert streamed == expected["choices"][0]["message"]["content"]
+    # Its first token was the prefill worker's: the decode worker generated the rest only.
+    assert metric_sum(workers["decode"], "pagedserve_generation_tokens_total") - generated == \
+        expected["usage"]["completion_tokens"] - 1
 
     # Again: the decode worker's own prefix cache holds the prompt now, so nothing is pulled.
     before = blocks_in(workers["decode"])
@@ -288,6 +292,32 @@ def test_a_prefill_worker_killed_during_the_pull_costs_recomputation(workers, tm
     assert texts(got) == texts(complete(workers["decode"], prompt))
     assert failures(decode, "unreachable") == before + 1
     wait_for(lambda: idle(decode), 15, "the decode side to hold no block")
+
+
+def test_the_first_token_streams_before_the_pull_and_a_client_leaving_mid_pull_frees_both_sides(workers):
+    """The decode worker streams the prefill worker's first token at once, while the pull is still held midway
+    (so it came before the blocks); the client then disconnects: the pull stops, the decode side holds nothing
+    and the prefill side's lease ends (released, or expired: its --kv-lease-s is 4)."""
+    decode = workers["reference"]  # pulls over TCP, through the relay
+    prompt = "Leaving mid-pull: " + PROMPTS[0]
+    body = complete(workers["prefill"], prompt, kv_transfer_params={"do_remote_decode": True})
+    cut = CutMidPull(workers["prefill"])
+    try:
+        params = {"do_remote_prefill": True, **body["kv_transfer_params"], "remote_url": cut.url}
+        request = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True, "kv_transfer_params": params}
+        timeouts = failures(decode, "timeout")
+        with httpx.stream("POST", decode + "/v1/completions", json=request, timeout=120) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])
+            assert first["choices"][0]["text"] == body["choices"][0]["text"]  # the prefill worker's token
+            # ... out while the pull is held midway, before it could time out (the old order: pull, then sample)
+            assert cut.midway.wait(60) and failures(decode, "timeout") == timeouts
+        wait_for(lambda: idle(decode), 15, "the decode side to hold no block")
+        wait_for(lambda: metric_sum(workers["prefill"], "pagedserve_kv_transfer_leased_blocks") == 0, 15,
+                 "the prefill side's lease to end")
+    finally:
+        cut.close()
 
 
 def test_a_dead_prefill_worker_costs_recomputation_not_the_request(workers):

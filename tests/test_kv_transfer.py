@@ -120,3 +120,62 @@ def test_a_shared_memory_segment_is_read_in_place_and_its_name_is_gone():
     short = kv_shm.write(payload[:100])
     with pytest.raises(ValueError, match="fewer than"):
         kv_shm.take(short, len(payload))
+
+
+def run_all(e: LLMEngine) -> dict:
+    outs = {}
+    while e.has_unfinished_requests():
+        outs.update({o.request_id: o for o in e.step()})
+    return outs
+
+
+def test_a_request_goes_on_from_a_first_token_sampled_elsewhere(engines):
+    """A disaggregated request's decode half: it takes the prefill worker's first token, reports it at once,
+    waits (held) while its blocks arrive, then continues: the same tokens as one engine, greedy and seeded."""
+    e = engines["reference"]
+    ids = e.tokenizer.encode("Name three colours of the rainbow, then three fruits: ")
+    for params in (SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.9, seed=7, max_tokens=12)):
+        e.add_request("whole", ids, params)
+        whole = run_all(e)["whole"].outputs[0]
+        e.kv.reset_prefix_cache()
+        first = e.add_request("resumed", ids, params, output_token_ids=whole.token_ids[:1], hold=True)
+        assert not first.finished and first.outputs[0].token_ids == whole.token_ids[:1]
+        assert whole.text.startswith(first.outputs[0].text)
+        generated = e.generation_tokens_total
+        assert not e.has_unfinished_requests()  # held: never scheduled before its release
+        e.release_held("resumed")
+        rest = run_all(e)["resumed"].outputs[0]
+        assert rest.token_ids == whole.token_ids and rest.text == whole.text, params
+        assert e.generation_tokens_total - generated == 11  # the given token was not generated here
+
+
+def test_a_first_token_that_ends_the_request_ends_it_at_once(engines):
+    e = engines["reference"]
+    ids = e.tokenizer.encode("Say yes: ")
+    eos = e.eos_token_ids[0]
+    done = e.add_request("eos", ids, SamplingParams(max_tokens=8), output_token_ids=[eos], hold=True)
+    assert done.finished and done.outputs[0].finish_reason == "stop" and not e.has_unfinished_requests()
+    yes = e.tokenizer.encode(" yes")[0]
+    done = e.add_request("length", ids, SamplingParams(max_tokens=1), output_token_ids=[yes], hold=True)
+    assert done.finished and done.outputs[0].finish_reason == "length" and done.outputs[0].token_ids == [yes]
+    done = e.add_request("stop", ids, SamplingParams(max_tokens=8, stop=[e.tokenizer.decode([yes]).strip()]),
+                         output_token_ids=[yes], hold=True)
+    assert done.finished and done.outputs[0].finish_reason == "stop" and done.outputs[0].text.strip() == ""
+    # EOS under min_tokens is just a token; the request goes on
+    going = e.add_request("min", ids, SamplingParams(max_tokens=3, min_tokens=2), output_token_ids=[eos], hold=True)
+    assert not going.finished
+    e.abort_request("min")
+    e.release_held("min")  # gone already: nothing to do
+    assert not e.has_unfinished_requests() and not e.held
+
+
+def test_output_from_elsewhere_is_refused_where_it_cannot_be_continued(engines):
+    e = engines["reference"]
+    ids = e.tokenizer.encode("Hello")
+    for params, tokens, match in ((SamplingParams(n=2, max_tokens=4), [1], "n=1"),
+                                  (SamplingParams(logprobs=1, max_tokens=4), [1], "logprobs"),
+                                  (SamplingParams(max_tokens=4), [10**9], "output token ids"),
+                                  (SamplingParams(max_tokens=1), [1, 2], "max_tokens")):
+        with pytest.raises(ValueError, match=match):
+            e.add_request("bad", ids, params, output_token_ids=tokens)
+        assert "bad" not in e.groups

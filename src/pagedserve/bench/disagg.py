@@ -168,8 +168,10 @@ def transfer_rows(args, tmp: Path, tokens: list[int]) -> list[dict]:
             for transport, decode in decoders.items():
                 handle = lease(prefill, body)
                 before = pull_seconds(decode)
-                decoded = httpx.post(decode + "/v1/completions", timeout=1200, json={**body, "kv_transfer_params": {
-                    "do_remote_prefill": True, "remote_url": prefill, **handle}}).json()
+                # two tokens: the first is the prefill worker's, so with one the decode half would need no blocks
+                decoded = httpx.post(decode + "/v1/completions", timeout=1200, json={
+                    **body, "max_tokens": 2, "kv_transfer_params": {
+                        "do_remote_prefill": True, "remote_url": prefill, **handle}}).json()
                 after = pull_seconds(decode)
                 pulls[transport] = after[0] - before[0] if after[1] > before[1] else float("nan")
                 cached.append(decoded["usage"]["prompt_tokens_details"]["cached_tokens"])

@@ -43,6 +43,7 @@ class RequestStream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # RequestOutput snapshots, then possibly an exception
     finished: bool = False
+    first: RequestOutput | None = None  # the output of tokens given at add_request (already in the queue)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -116,17 +117,29 @@ class AsyncLLM:
     # ---- caller side (event loop) ----
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, lora_request: LoRARequest | None = None) -> RequestStream:
-        """Adds a request; bad input raises here (ValueError), before any output. Close the stream when done."""
+                          priority: int = 0, lora_request: LoRARequest | None = None,
+                          output_token_ids: list[int] | None = None, hold: bool = False) -> RequestStream:
+        """Adds a request; bad input raises here (ValueError), before any output. Close the stream when done.
+        output_token_ids and hold: see LLMEngine.add_request; the output of the given tokens is the stream's
+        first item."""
         stream = RequestStream(self, request_id, asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt, params, priority,
-                                                            lora_request=lora_request))
+            first = await self.call(lambda: self.engine.add_request(
+                request_id, prompt, params, priority, lora_request=lora_request, output_token_ids=output_token_ids,
+                hold=hold))
         except BaseException:
             self.abort(request_id)  # a cancelled caller may have queued the add already
             raise
+        if first is not None:
+            stream.first = _snapshot(first)
+            stream.queue.put_nowait(stream.first)
+            if first.finished:
+                self._streams.pop(request_id, None)
         return stream
+
+    async def release_held(self, request_id: str) -> None:
+        await self.call(lambda: self.engine.release_held(request_id))
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -153,6 +153,7 @@ class LLMEngine:
         self.loras = (LoRAManager(loaded.config, self.dtype, config.max_lora_rank, config.max_cpu_loras)
                       if config.enable_lora else None)
         self.pending: list[Pending] = []  # requests waiting for their grammar or adapter, prepared off this thread
+        self.held: dict[str, Request] = {}  # requests whose prompt's KV is on its way (add_request(hold=True))
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, tuple[RequestGroup, int]] = {}
         self.rng = random.Random(config.seed)
@@ -179,13 +180,20 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                    output_token_ids: list[int] | None = None, hold: bool = False) -> RequestOutput | None:
+        """output_token_ids: tokens already generated for this request elsewhere (a disaggregated request's
+        first token, sampled by its prefill worker): the request goes on after them, and the output they make
+        (finished, if one of them ends it) is returned at once. hold: the request waits outside the scheduler
+        until release_held(request_id), while its prompt's KV blocks are still on their way."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if lora_request is not None and self.loras is None:
             raise ValueError("this engine does not serve LoRA adapters (enable_lora / --enable-lora)")
         text, ids = (None, list(prompt)) if isinstance(prompt, list) else (prompt, self.tokenizer.encode(prompt))
         params = self._validated(ids, params)
+        if output_token_ids is not None:
+            self._check_resumable(ids, params, output_token_ids)
         waits = []
         if params.guided_decoding is not None:
             waits.append((self.grammars.submit(params.guided_decoding), _attach_matcher))
@@ -198,15 +206,50 @@ class LLMEngine:
         group = RequestGroup(request_id, text, ids)
         self.groups[request_id] = group
         req = Request(request_id, ids, params, time.monotonic(), seed, priority, cache_salt=cache_salt,
-                      eos_token_ids=self.eos_token_ids, pending_children=params.n - 1)
+                      eos_token_ids=self.eos_token_ids, pending_children=params.n - 1, held=hold)
         self.prompt_tokens_total += len(ids)
+        self._register_seq(group, req)
+        for token in output_token_ids or []:
+            if not req.is_finished:
+                self._accept(group, req, 0, token)
+        if req.is_finished:
+            return self._output(group)
         if all(future.done() for future, _ in waits):
             for future, attach in waits:
                 attach(req, future.result())
-            self._add_seq(group, req)
+            self._schedule(req)
         else:  # prepared off this thread: the request joins the scheduler once all is ready
-            self._register_seq(group, req)
             self.pending.append(Pending(group, req, waits))
+        return self._output(group) if output_token_ids else None
+
+    def _check_resumable(self, ids: list[int], params: SamplingParams, output_token_ids: list[int]) -> None:
+        """Output generated elsewhere is taken for a plain single sample only: what it lacks here (its logprobs,
+        a grammar's state, siblings) would be wrong."""
+        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None \
+                or params.guided_decoding is not None:
+            raise ValueError("output generated elsewhere is taken only for n=1 without logprobs, prompt_logprobs "
+                             "or guided decoding")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in output_token_ids):
+            raise ValueError(f"output token ids must be in [0, {vocab})")
+        if len(output_token_ids) > params.max_tokens:
+            raise ValueError(f"{len(output_token_ids)} output tokens given; max_tokens is {params.max_tokens}")
+
+    def _schedule(self, req: Request) -> None:
+        """Into the scheduler, or set aside while it is held."""
+        if req.held:
+            self.held[req.request_id] = req
+        else:
+            self.scheduler.add(req)
+
+    def release_held(self, request_id: str) -> None:
+        """A held request may run now (its prompt's KV arrived, or will be recomputed); no-op once it is gone."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            req.held = False
+            self.scheduler.add(req)
+        elif (seq := self.seqs.get(request_id)) is not None:  # still waiting for its adapter
+            seq[0].seqs[seq[1]].held = False
 
     def _validated(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         if not ids:
@@ -254,6 +297,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
             self.seqs.pop(seq.request_id, None)
+            self.held.pop(seq.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending)
@@ -274,7 +318,7 @@ class LLMEngine:
             else:
                 for future, attach in p.waits:
                     attach(p.req, future.result())
-                self.scheduler.add(p.req)
+                self._schedule(p.req)
         self.pending = still
         return failed
 
@@ -364,14 +408,18 @@ class LLMEngine:
         touched: dict[str, RequestGroup] = {}
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             group, index = self.seqs[req.request_id]
-            req.append_token(token)
             self.generation_tokens_total += 1
             if req.logprobs is not None:
                 req.logprobs.append(self._logprob_entry(token, i, lp, req.params.logprobs))
-            stop_str = group.detoks[index].add_token(token)
-            self._check_finished(req, token, stop_str, advance(req, token) if req.matcher is not None else None)
+            self._accept(group, req, index, token)
             touched[group.request_id] = group
         return [self._output(g) for g in touched.values()]
+
+    def _accept(self, group: RequestGroup, req: Request, index: int, token: int) -> None:
+        """A sampled token joins the sequence: detokenized, checked against stops, grammar and length."""
+        req.append_token(token)
+        stop_str = group.detoks[index].add_token(token)
+        self._check_finished(req, token, stop_str, advance(req, token) if req.matcher is not None else None)
 
     def _check_finished(self, req: Request, token: int, stop_str: str | None, grammar_end: str | None) -> None:
         p = req.params

@@ -41,6 +41,7 @@ class Request:
     pending_children: int = 0  # n - 1 samples still to fork from this one when its prompt is done
     matcher: Any = None  # llguidance.LLMatcher of a constrained request (its own copy), else None
     lora: Any = None  # the LoRAAdapter it runs under, else None (the base model)
+    held: bool = False  # kept out of the scheduler until released (its prompt's KV is on its way)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

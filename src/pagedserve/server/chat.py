@@ -76,7 +76,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     outputs = await final_outputs(state, call)
     choices = [_choice(state, c, top, parse) for c in outputs[0].outputs]
     return ChatCompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=usage(outputs),
-                                  degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call))
+                                  degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call, outputs))
 
 
 def _choice(state: ServerState, c: CompletionOutput, top: int | None, plan: ToolPlan | None) -> ChatChoice:

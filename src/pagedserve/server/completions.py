@@ -63,7 +63,7 @@ async def create_completion(state: ServerState, req: CompletionRequest,
         for i, out in enumerate(outputs) for c in out.outputs
     ]
     return CompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=usage(outputs),
-                              degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call))
+                              degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call, outputs))
 
 
 async def _stream(state: ServerState, req: CompletionRequest, request_id: str, prompts: list,

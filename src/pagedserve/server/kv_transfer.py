@@ -2,17 +2,20 @@
 
 - A prefill worker (`--kv-role prefill` or `both`) given `kv_transfer_params: {"do_remote_decode": true}`
   computes the prompt and its first token only, leases the prompt's full KV blocks and answers with a handle
-  in `kv_transfer_params`: lease id, block count, block size, KV format and a digest of the tokens (and of the
-  LoRA adapter's weights, for a request under one: its blocks are cached under that identity on both sides).
+  in `kv_transfer_params`: lease id, block count, block size, KV format, a digest of the tokens (and of the
+  LoRA adapter's weights, for a request under one: its blocks are cached under that identity on both sides)
+  and the first token.
 - A decode worker (`decode` or `both`) given `kv_transfer_params: {"do_remote_prefill": true, "remote_url":
   ..., <the handle>}` pulls the blocks its own prefix cache lacks from `GET {remote_url}/v1/kv/leases/{id}`,
   registers them in that cache, acknowledges (`DELETE`, which frees the lease into the prefill worker's prefix
   cache) and runs the request, which then finds its prompt cached. A pull that fails or times out is
   recomputed here (`--kv-load-failure recompute`, the default) or fails the request with a 502 (`fail`).
+  A plain single sample goes on from the prefill worker's first token, which streams before the pull.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -93,7 +96,7 @@ async def pull(state, prompt_ids: list[int], kv: KVTransferParams, lora: LoRAReq
     try:
         salt = await adapter_salt(state, lora)
     except BaseException as e:  # an adapter this worker cannot serve: the request is refused when added
-        _release(state, kv)
+        release(state, kv)
         if isinstance(e, ValueError):
             return
         raise
@@ -103,15 +106,37 @@ async def pull(state, prompt_ids: list[int], kv: KVTransferParams, lora: LoRAReq
         metrics.kv_failures.labels(e.cause).inc()
         log.warning("KV pull from %s failed (%s): %s; %s", kv.remote_url, e.cause, e,
                     "recomputing" if state.disagg.load_failure == "recompute" else "failing the request")
-        _release(state, kv)
+        release(state, kv)
         if state.disagg.load_failure == "fail":
             raise APIError(502, f"KV transfer from the prefill worker failed ({e.cause}): {e}",
                            code="kv_transfer_failed") from None
     except asyncio.CancelledError:  # the client went away mid-transfer: free the lease now, not at expiry
-        _release(state, kv)
+        release(state, kv)
         raise
     finally:
         metrics.kv_seconds.observe(time.perf_counter() - start)
+
+
+def first_token(state, kv: KVTransferParams | None, params) -> int | None:
+    """The prefill worker's first token, when this decode half can stream it before its pull and go on from it:
+    a single sample without logprobs or a grammar (whose state it would lack), and a pull that may fail into a
+    recompute (a failed one could no longer be a clean error once the token is out)."""
+    if kv is None or not kv.do_remote_prefill or kv.first_token_id is None:
+        return None
+    if (params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None
+            or params.guided_decoding is not None or state.disagg.load_failure != "recompute"):
+        return None
+    return kv.first_token_id
+
+
+async def pull_then_run(state, request_id: str, prompt_ids: list[int], kv: KVTransferParams,
+                        lora: LoRARequest | None) -> None:
+    """A held request's pull: its blocks come in (or the pull fails and it recomputes), then it runs."""
+    try:
+        await pull(state, prompt_ids, kv, lora)
+    finally:
+        with contextlib.suppress(Exception):  # an engine that is gone fails the request's stream itself
+            await state.engine.release_held(request_id)
 
 
 class TransferFailed(Exception):
@@ -146,7 +171,7 @@ async def _pull(state, engine, prompt_ids: list[int], kv: KVTransferParams, salt
                 break
         state.metrics.kv_blocks.labels("in", transport).inc(placed)
         state.metrics.kv_bytes.labels("in", transport).inc(len(data))
-    _release(state, kv)
+    release(state, kv)
 
 
 def _transport(disagg: Disaggregation, remote_url: str) -> str:
@@ -202,14 +227,14 @@ async def _get(state, url: str, params: dict) -> httpx.Response:
     return response
 
 
-def _release(state, kv: KVTransferParams) -> None:
+def release(state, kv: KVTransferParams) -> None:
     """Acknowledges the lease in the background; if that fails, the lease expires on its own."""
-    async def release() -> None:
+    async def acknowledge() -> None:
         try:
             await state.disagg.http().delete(f"{kv.remote_url.rstrip('/')}/v1/kv/leases/{kv.lease_id}")
         except httpx.HTTPError:
             pass
-    task = asyncio.get_running_loop().create_task(release())
+    task = asyncio.get_running_loop().create_task(acknowledge())
     state.background.add(task)
     task.add_done_callback(state.background.discard)
 

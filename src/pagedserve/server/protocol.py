@@ -102,6 +102,8 @@ class KVTransferParams(StrictModel):
     kv_format: Text | None = Field(None, max_length=32)
     tokens_sha: Text | None = Field(None, max_length=64)
     expires_in_s: float | None = None
+    first_token_id: int | None = Field(None, ge=0, description="the first output token, sampled by the prefill "
+                                       "worker: the decode worker streams it at once and goes on from it")
 
     @model_validator(mode="after")
     def _one_side(self):

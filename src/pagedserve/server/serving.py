@@ -20,7 +20,15 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams
 from pagedserve.server.admission import AdmissionConfig, AdmissionController, Rejected, Ticket, parse_priority
 from pagedserve.server.errors import APIError
-from pagedserve.server.kv_transfer import Disaggregation, check_role, lease, pull
+from pagedserve.server.kv_transfer import (
+    Disaggregation,
+    check_role,
+    first_token,
+    lease,
+    pull,
+    pull_then_run,
+    release,
+)
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
 from pagedserve.server.protocol import KVTransferParams, PromptTokensDetails, SamplingFields, Usage
 from pagedserve.server.tool_parsers import HermesParser, ToolParser
@@ -113,9 +121,12 @@ class Call:
     prompt_ids: list[list[int]] = field(default_factory=list)
     kv_transfer: KVTransferParams | None = None
     lora: LoRARequest | None = None
+    transfer: asyncio.Future | None = None  # a decode half's pull, when its first token streams before it
 
     def close(self) -> None:
         """Aborts what is still running and returns the ticket (idempotent)."""
+        if self.transfer is not None:
+            self.transfer.cancel()  # the pull frees the prefill worker's lease as it stops
         close_all(self.streams)
         self.admission.finished(self.ticket)
 
@@ -133,29 +144,38 @@ async def start_streams(state: ServerState, ctx: RequestContext, request_id: str
     prompt_ids = [state.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     if kv is not None:
         check_role(state, kv, len(prompt_ids), stream)
-        if kv.do_remote_decode:
-            params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=0)
+        if kv.do_remote_decode:  # the first token under the request's own EOS rule
+            params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
     _check_size(state, prompt_ids, params, param)
     params = _degraded(state, ctx, params)
     ticket = _admit(state, ctx, prompt_ids, params)
     priority = ctx.priority if state.admission.config.enabled else 0
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    if kv is not None and kv.do_remote_prefill:
+    first = first_token(state, kv, params)
+    if kv is not None and kv.do_remote_prefill and first is None:
         try:
             await pull(state, prompt_ids[0], kv, lora)
         except BaseException:
             state.admission.finished(ticket)
             raise
+    resume = {} if first is None else {"output_token_ids": [first], "hold": True}
     try:
-        added = await asyncio.gather(*(state.engine.add_request(rid, p, params, priority, lora)
+        added = await asyncio.gather(*(state.engine.add_request(rid, p, params, priority, lora, **resume)
                                        for rid, p in zip(ids, prompt_ids)), return_exceptions=True)
     except BaseException:  # cancelled (client gone): the engine side withdraws itself
         state.admission.finished(ticket)
+        if first is not None:
+            release(state, kv)
         raise
     streams = [s for s in added if isinstance(s, RequestStream)]
     errors = [e for e in added if isinstance(e, BaseException)]
     deadline = None if ctx.timeout is None else ticket.admitted_at + ctx.timeout
     call = Call(streams, ticket, state.admission, deadline, prompt_ids, kv, lora)
+    if first is not None:
+        if errors or streams[0].first.finished:  # nothing to pull: refused, or ended by the prefill's token
+            release(state, kv)
+        else:  # the first token streams now; the request runs once the blocks are in (or recomputes)
+            call.transfer = asyncio.ensure_future(pull_then_run(state, ids[0], prompt_ids[0], kv, lora))
     if not errors:
         return call
     call.close()
@@ -307,11 +327,14 @@ async def final_outputs(state: ServerState, call: Call) -> list[RequestOutput]:
     return [out for out in last if out is not None]
 
 
-async def prefill_handle(state: ServerState, call: Call) -> dict | None:
-    """The prefill half of a disaggregated request is done: its lease on the prompt's blocks."""
+async def prefill_handle(state: ServerState, call: Call, outputs: list[RequestOutput]) -> dict | None:
+    """The prefill half of a disaggregated request is done: its lease on the prompt's blocks, and the first
+    token it sampled."""
     if call.kv_transfer is None or not call.kv_transfer.do_remote_decode:
         return None
-    return await lease(state, call.prompt_ids[0], call.lora)
+    handle = await lease(state, call.prompt_ids[0], call.lora)
+    tokens = outputs[0].outputs[0].token_ids if outputs and outputs[0].outputs else []
+    return {**handle, "first_token_id": tokens[0]} if tokens else handle
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:
