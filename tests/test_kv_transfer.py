@@ -3,6 +3,8 @@ imports is what it computes with, pinned blocks survive pool pressure, bad paylo
 quantized blocks travel with their scales."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -111,15 +113,25 @@ def test_quantized_blocks_travel_with_their_scales(kv_cache_dtype):
 def test_a_shared_memory_segment_is_read_in_place_and_its_name_is_gone():
     from pagedserve.server import kv_shm
 
+    def write(data: bytes) -> str:
+        return kv_shm.write_with(len(data), lambda view: view.__setitem__(slice(None), data))
+
     payload = bytes(range(256)) * 1000
-    name = kv_shm.write(payload)
+    name = write(payload)
     view = kv_shm.take(name, len(payload))
     assert view.readonly and bytes(view) == payload
     with pytest.raises(FileNotFoundError):  # taken once: a second decode worker cannot read it again
         kv_shm.take(name, len(payload))
-    short = kv_shm.write(payload[:100])
+    short = write(payload[:100])
     with pytest.raises(ValueError, match="fewer than"):
         kv_shm.take(short, len(payload))
+
+    def fail(view: memoryview) -> None:
+        raise RuntimeError("gather failed")
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(RuntimeError, match="gather failed"):
+        kv_shm.write_with(64, fail)
+    assert set(os.listdir("/dev/shm")) <= before  # a failed export leaves no segment behind
 
 
 def run_all(e: LLMEngine) -> dict:

@@ -16,6 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import torch
+
 from pagedserve.engine.kv_cache import KVCacheManager
 from pagedserve.engine.model_runner import ModelRunner
 
@@ -63,9 +65,14 @@ class KVTransfer:
         self.leases[lease.lease_id] = lease
         return lease
 
-    def export(self, lease_id: str, start: int, end: int | None = None) -> memoryview:
+    def export(self, lease_id: str, start: int, end: int | None = None,
+               out: torch.Tensor | None = None) -> memoryview:
+        """Blocks start..end of the lease, gathered into out when given (see ModelRunner.export_blocks)."""
         lease = self.live(lease_id)
-        return self.runner.export_blocks(lease.block_ids[start:end])
+        return self.runner.export_blocks(lease.block_ids[start:end], out)
+
+    def export_size(self, lease_id: str, start: int) -> int:
+        return self.runner.export_size(len(self.live(lease_id).block_ids[start:]))
 
     def release(self, lease_id: str) -> bool:
         """The pull is done (or abandoned): the blocks go back to the prefix cache, still reusable."""

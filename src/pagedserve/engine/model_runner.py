@@ -145,11 +145,16 @@ class ModelRunner:
         return (ids[:, None] * per_block + torch.arange(per_block)).flatten()
 
     @torch.inference_mode()
-    def export_blocks(self, block_ids: list[int]) -> memoryview:
+    def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> memoryview:
         """The blocks' KV as stored (quantized blocks at their quantized size), layer by layer: a view of the one
-        buffer they were gathered into (a copy into bytes would cost as much again). Only full blocks travel, so
-        int4 keys are never in a tail."""
-        out, offset = torch.empty(self.export_size(len(block_ids)), dtype=torch.uint8), 0
+        buffer they were gathered into (a copy into bytes would cost as much again), out when given (uint8, of
+        export_size bytes: a shared-memory segment). Only full blocks travel, so int4 keys are never in a tail."""
+        size = self.export_size(len(block_ids))
+        if out is None:
+            out = torch.empty(size, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.numel() != size:
+            raise ValueError(f"an export of {len(block_ids)} blocks takes {size} bytes, not {out.numel()}")
+        offset = 0
         for layer in self.kv_caches:
             for t, per_block in self.block_tensors(layer):  # gathered straight into the payload: no concatenation
                 rows = self._rows(block_ids, per_block)

@@ -10,15 +10,26 @@ import ipaddress
 import mmap
 import os
 import socket
+from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from urllib.parse import urlsplit
 
 
-def write(data: bytes | memoryview) -> str:
-    segment = shared_memory.SharedMemory(create=True, size=max(len(data), 1))
-    segment.buf[:len(data)] = data
+def write_with(size: int, fill: Callable[[memoryview], None]) -> str:
+    """A new segment of size bytes that fill writes in place (so the blocks are gathered straight into it);
+    its name. fill must not keep the view."""
+    segment = shared_memory.SharedMemory(create=True, size=max(size, 1))
     # The reader unlinks it: keep this process's resource tracker from unlinking (and warning) at exit.
     resource_tracker.unregister(segment._name, "shared_memory")
+    view = segment.buf[:size]
+    try:
+        fill(view)
+    except BaseException:
+        view.release()
+        segment.close()
+        discard(segment.name)
+        raise
+    view.release()
     segment.close()
     return segment.name
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
+import torch
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
@@ -263,16 +264,19 @@ def kv_routes(state) -> APIRouter:
             raise APIError(400, "this worker is not in a Ray cluster (serve --ray-address): pull over tcp",
                            "via", "kv_transport_unavailable")
         try:
-            data, count = await state.engine.call(lambda: _export(engine, lease_id, start))
+            if via == "shm":  # gathered straight into the segment
+                name, size, count = await state.engine.call(lambda: _export_to_segment(engine, lease_id, start))
+            else:
+                data, count = await state.engine.call(lambda: _export(engine, lease_id, start))
+                size = len(data)
         except KeyError as e:
             raise APIError(404, e.args[0], code="kv_lease_not_found") from None
         state.metrics.kv_blocks.labels("out", via).inc(count)
-        state.metrics.kv_bytes.labels("out", via).inc(len(data))
+        state.metrics.kv_bytes.labels("out", via).inc(size)
         headers = {"x-kv-blocks": str(count), "x-kv-format": engine.kv_format.name}
         if via == "shm":
-            name = await asyncio.to_thread(kv_shm.write, data)
             state.disagg.segments.setdefault(lease_id, []).append(name)
-            return JSONResponse({"name": name, "bytes": len(data)}, headers=headers)
+            return JSONResponse({"name": name, "bytes": size}, headers=headers)
         if via == "ray":
             serialized, ref = await asyncio.to_thread(kv_ray.put, data)
             state.disagg.objects.setdefault(lease_id, []).append(ref)
@@ -295,6 +299,18 @@ def _export(engine, lease_id: str, start: int) -> tuple[memoryview, int]:
     lease = engine.kv_transfer.live(lease_id)
     count = max(len(lease.block_ids) - start, 0)
     return engine.kv_transfer.export(lease_id, start), count
+
+
+def _export_to_segment(engine, lease_id: str, start: int) -> tuple[str, int, int]:
+    """(segment name, bytes, blocks): the lease's blocks from start on, gathered into a new segment."""
+    transfer = engine.kv_transfer
+    count = max(len(transfer.live(lease_id).block_ids) - start, 0)
+    size = transfer.export_size(lease_id, start)
+
+    def fill(view: memoryview) -> None:
+        if size:
+            transfer.export(lease_id, start, out=torch.frombuffer(view, dtype=torch.uint8))
+    return kv_shm.write_with(size, fill), size, count
 
 
 async def expire_leases(state, every_s: float = 1.0) -> None:
