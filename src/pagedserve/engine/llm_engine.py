@@ -5,8 +5,7 @@ import concurrent.futures
 import logging
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,9 +17,11 @@ from pagedserve.engine.kv_cache import KVCacheManager
 from pagedserve.engine.kv_transfer import KVTransfer
 from pagedserve.engine.lora_manager import LoRAManager
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.request import Request, RequestStatus, takes_output_from_elsewhere
+from pagedserve.engine.request_group import Pending, RequestGroup
 from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, score_tokens
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.stats import EngineStats
 from pagedserve.engine.structured_output import GrammarCompiler, advance
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
@@ -44,53 +45,6 @@ def resolve_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return torch.bfloat16 if native else torch.float32
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    blocks_total: int
-    blocks_used: int
-    blocks_cached: int
-    prefix_cache_hit_tokens: int
-    prefix_cache_query_tokens: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
-    lora_adapters: int = 0  # LoRA adapters in memory, their bytes, loads and evictions since start
-    lora_bytes: int = 0
-    lora_loads: int = 0
-    lora_evictions: int = 0
-    kv_leases: int = 0  # KV transfer leases held for decode workers, and the blocks they pin
-    kv_leased_blocks: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
-
-
-@dataclass(slots=True, eq=False)
-class RequestGroup:
-    """One user request: its n sequences and their detokenizers."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Request] = field(default_factory=list)
-    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.seqs[0].params.n and all(s.is_finished for s in self.seqs)
-
-
-@dataclass(slots=True)
-class Pending:
-    """A request waiting for what is prepared off the step thread: (future, how to attach its result)."""
-    group: RequestGroup
-    req: Request
-    waits: list[tuple[concurrent.futures.Future, Callable[[Request, Any], None]]]
 
 
 def _attach_matcher(req: Request, template: Any) -> None:
@@ -225,8 +179,7 @@ class LLMEngine:
     def _check_resumable(self, ids: list[int], params: SamplingParams, output_token_ids: list[int]) -> None:
         """Output generated elsewhere is taken for a plain single sample only: what it lacks here (its logprobs,
         a grammar's state, siblings) would be wrong."""
-        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None \
-                or params.guided_decoding is not None:
+        if not takes_output_from_elsewhere(params):
             raise ValueError("output generated elsewhere is taken only for n=1 without logprobs, prompt_logprobs "
                              "or guided decoding")
         vocab = self.model_config.vocab_size

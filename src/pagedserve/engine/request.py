@@ -9,6 +9,13 @@ from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 
+def takes_output_from_elsewhere(params: SamplingParams) -> bool:
+    """Whether a request can go on from output generated elsewhere (a disaggregated request's first token): a
+    plain single sample, since the tokens come without their logprobs, a grammar's state or siblings."""
+    return (params.n == 1 and params.logprobs is None and params.prompt_logprobs is None
+            and params.guided_decoding is None)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

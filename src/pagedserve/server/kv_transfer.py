@@ -27,6 +27,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.engine.kv_transfer import tokens_sha
+from pagedserve.engine.request import takes_output_from_elsewhere
 from pagedserve.lora_request import LoRARequest
 from pagedserve.server import kv_ray, kv_shm
 from pagedserve.server.errors import APIError
@@ -124,8 +125,7 @@ def first_token(state, kv: KVTransferParams | None, params) -> int | None:
     recompute (a failed one could no longer be a clean error once the token is out)."""
     if kv is None or not kv.do_remote_prefill or kv.first_token_id is None:
         return None
-    if (params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None
-            or params.guided_decoding is not None or state.disagg.load_failure != "recompute"):
+    if not takes_output_from_elsewhere(params) or state.disagg.load_failure != "recompute":
         return None
     return kv.first_token_id
 
