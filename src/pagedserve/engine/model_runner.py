@@ -41,8 +41,8 @@ class ModelRunner:
         self.kv_caches = [LayerKVCache(kv_format, num_blocks * block_size, config.num_key_value_heads, config.head_dim,
                                        block_size, self.tails)
                           for _ in range(config.num_hidden_layers)]
-        if kv_format.per_head_scale:
-            self._calibrate_head_scales(config, calibration_ids or list(range(1, 257)))
+        if kv_format.per_head_scale or kv_format.int4:
+            self._calibrate(config, calibration_ids or list(range(1, 257)))
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, kv_format: KVFormat, block_size: int) -> int:
@@ -56,9 +56,9 @@ class ModelRunner:
         return config.num_hidden_layers * max_num_seqs * block_size * config.num_key_value_heads * config.head_dim * 2
 
     @torch.inference_mode()
-    def _calibrate_head_scales(self, config: ModelConfig, token_ids: list[int]) -> None:
-        """fp8: one prefill of token_ids into a scratch cache in the model dtype; each layer's scales come from
-        the largest |K| and |V| per KV head it produced."""
+    def _calibrate(self, config: ModelConfig, token_ids: list[int]) -> None:
+        """One prefill of token_ids into a scratch cache in the model dtype. fp8: each layer's scales come from
+        the largest |K| and |V| per KV head it produced; int4: each layer's key offsets from the mean key."""
         scratch_fmt = resolve_kv_format("auto", self.model.norm.weight.dtype)
         n, bs = len(token_ids), self.block_size
         num_blocks = -(-n // bs)
@@ -70,6 +70,9 @@ class ModelRunner:
                                  torch.tensor([[0, n, 0]], dtype=torch.long), table.unsqueeze(0))
         self.model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n, dtype=torch.long), scratch, meta, bs)
         for layer, s in zip(self.kv_caches, scratch):
+            if self.kv_format.int4:
+                layer.set_key_offset(s.k[:n].float().mean(dim=0))
+                continue
             layer.set_head_scales(s.k[:n].float().abs().amax(dim=(0, 2)), s.v[:n].float().abs().amax(dim=(0, 2)))
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]) -> BatchInputs:

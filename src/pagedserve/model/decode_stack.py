@@ -61,4 +61,5 @@ def run_decode_stack(stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.
                          block_size, [kv.k for kv in kv_caches], [kv.v for kv in kv_caches],
                          [kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches],
                          None if plan is None else plan.rows, None if plan is None else plan.completions,
-                         [kv.k_tail for kv in kv_caches], None if plan is None else kv_caches[0].tail_of_block)
+                         [kv.k_tail for kv in kv_caches], [kv.k_offset for kv in kv_caches],
+                         None if plan is None else kv_caches[0].tail_of_block)

@@ -51,8 +51,8 @@ class KVFormat:
 
     def block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
         """Bytes one block of one layer (K and V) takes in the pool, its scales included."""
-        if self.int4:  # codes, fp16 scale + min per key channel and per value token
-            return num_kv_heads * (block_size * head_dim + 2 * 2 * head_dim + block_size * 2 * 2)
+        if self.int4:  # codes; a scale code and 4-bit zero point per key channel; a scale code and zero per value
+            return num_kv_heads * (block_size * head_dim + head_dim * 3 // 2 + block_size * 2)
         data = head_dim * torch.empty(0, dtype=self.storage).element_size()
         return 2 * block_size * num_kv_heads * (data + (4 if self.per_token_scale else 0))
 
@@ -72,8 +72,9 @@ def resolve_kv_format(name: str, model_dtype: torch.dtype) -> KVFormat:
 class LayerKVCache:
     """One layer's K and V in the pool: [slots, kv_heads, head_dim] each, in the format's storage dtype, and
     their scales: [kv_heads] (fp8) or [slots, kv_heads] (int8); None when stored unquantized.
-    int4: codes [slots, kv_heads, head_dim / 2], k_scale the keys' fp16 [blocks, kv_heads, 2, head_dim] and v_scale
-    the values' [slots, kv_heads, 2] (scale, min), k_tail the partly written blocks' keys in bf16."""
+    int4: codes [slots, kv_heads, head_dim / 2], k_scale the keys' uint8 parameters [blocks, kv_heads, head_dim * 3/2]
+    and v_scale the values' [slots, kv_heads, 2] (model/kv_int4.py), k_tail the partly written blocks' keys in bf16
+    and k_offset the per-channel shift of every key this layer writes (calibrated; float32 [kv_heads, head_dim])."""
 
     def __init__(self, fmt: KVFormat, num_slots: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
                  tails: KeyTails | None = None) -> None:
@@ -85,11 +86,13 @@ class LayerKVCache:
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.k_tail: torch.Tensor | None = None
+        self.k_offset: torch.Tensor | None = None
         self.tails: KeyTails | None = None
         if fmt.int4:
             self.tails = tails or KeyTails(num_slots // block_size, block_size, 4)
-            self.k_scale = torch.zeros(num_slots // block_size, num_kv_heads, 2, head_dim, dtype=torch.float16)
-            self.v_scale = torch.zeros(num_slots, num_kv_heads, 2, dtype=torch.float16)
+            self.k_scale = torch.zeros(num_slots // block_size, num_kv_heads, head_dim * 3 // 2, dtype=torch.uint8)
+            self.v_scale = torch.zeros(num_slots, num_kv_heads, 2, dtype=torch.uint8)
+            self.k_offset = torch.zeros(num_kv_heads, head_dim)
             self.k_tail = torch.zeros(self.tails.num_tails * block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
             self.tails.on_grow.append(self._grow_tails)
         elif fmt.per_token_scale:
@@ -114,6 +117,11 @@ class LayerKVCache:
         self.k_scale = (k_amax.float() / limit).clamp_min(1e-6)
         self.v_scale = (v_amax.float() / limit).clamp_min(1e-6)
 
+    def set_key_offset(self, mean: torch.Tensor) -> None:
+        """int4: keys are stored shifted by their calibrated mean per channel (rounded to bf16, so workers that
+        calibrate the same model agree); attention is unchanged by a shift common to every key."""
+        self.k_offset = mean.float().to(torch.bfloat16).float()
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               key_plan: KeyWritePlan | None = None) -> None:
         """k, v: [T, kv_heads, head_dim] in the model dtype, quantized into their slots. int4: key_plan says
@@ -134,7 +142,7 @@ class LayerKVCache:
         codes, params = kv_int4.quantize_values(v)
         self.v.index_copy_(0, slot_mapping, codes)
         self.v_scale.index_copy_(0, slot_mapping, params)
-        k = k.to(torch.bfloat16)  # keys quantize from bf16 whether they waited in a tail or not
+        k = (k.float() - self.k_offset).to(torch.bfloat16)  # shifted keys quantize from bf16, tail or not
         staged = plan.rows >= 0
         self.k_tail.index_copy_(0, plan.rows[staged], k[staged])
         if not plan.completions.numel():

@@ -1,11 +1,22 @@
 """INT4 KV blocks, KIVI-style (Liu et al. 2024), laid out for a paged pool.
 
 Keys have outlier channels, so they are quantized per channel across the 16 tokens of a full block; values per
-token. Both asymmetric, 4 bits (two codes a byte, the even element in the low nibble), with an fp16 scale and
-minimum: x ~ code * scale + min. A block's keys can only be quantized once the block is full, so until then they
-wait in bf16 in a tail slot (one per partly written block; KIVI's full-precision residual); the write that fills
-the block quantizes them. Per layer and KV head a 16-token block of head_dim 64 takes 512 + 512 bytes of codes,
-256 of key parameters and 64 of value parameters: 1,344 bytes against bf16's 4,096 (3.05x).
+token. Both asymmetric, 4 bits (two codes a byte, the even element in the low nibble): x ~ (code - zero) * scale,
+with an 8-bit scale code on a log grid (SCALE_TABLE: 12 steps an octave from 2^9 down, rounded to the nearest
+step, so it costs at most 2.9% of a step) and a 4-bit zero point. A block's keys can only be quantized once the
+block is full, so until then they wait in bf16 in a tail slot (one per partly written block; KIVI's
+full-precision residual); the write that fills the block quantizes them.
+
+A 4-bit zero point only fits ranges that hold 0 or come near it, and some key channels sit far from 0 for a
+whole block. So the keys a layer writes are first shifted by a per-channel offset (their mean on the start-up
+calibration text, per layer and KV head): q.(k - mu) = q.k - q.mu, and q.mu is the same for every key a query
+reads, so softmax and the attention output are unchanged and readers never add mu back. Tails hold shifted keys
+too, so every key of a sequence carries the same shift.
+
+Per layer and KV head a 16-token block of head_dim 64 takes 512 + 512 bytes of codes, 64 + 32 of key scale codes
+and zero points and 32 of values' (one pair per token): 1,152 bytes against bf16's 4,096 (3.56x). With fp16
+scales and minimums (KIVI's own format) it would take 1,344 (3.05x); the 8-bit parameters cost about 0.5% of
+perplexity (docs/benchmarks.md).
 
 The PyTorch functions here are the reference the C++ write (rope_and_cache_int4) and readers are tested against.
 """
@@ -105,14 +116,25 @@ class KeyTails:
         self.tail_of_block[block] = tail
 
 
+SCALE_STEPS = 12  # scale codes per octave
+SCALE_TOP_LOG2 = 9  # code 0 is 2^9; code 255 is 2^(9 - 255 / 12), about 2e-4
+SCALE_TABLE = (2.0 ** (SCALE_TOP_LOG2 - torch.arange(256, dtype=torch.float64) / SCALE_STEPS)).float()
+
+
 def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 codes of x (uint8, one per element, unpacked) with fp16 scale and minimum over dim."""
+    """Asymmetric int4 codes of x over dim (uint8, one per element, unpacked), with each group's scale code and
+    zero point (uint8, dim removed). The zero point is the code of 0 when the range holds it, else 0 or 15 and the
+    scale grows to span from 0 to the range's far end."""
     xf = x.float()
     lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
-    scale = ((hi - lo) / 15).clamp_min(1e-8).half()
-    lo = lo.half()
-    codes = ((xf - lo.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8)
-    return codes, scale.squeeze(dim), lo.squeeze(dim)
+    scale = ((hi - lo) / 15).clamp_min(1e-30)
+    zero = (-lo / scale).round().clamp(0, 15)
+    reach_hi = torch.where(zero < 15, hi / (15 - zero).clamp_min(1), 0.0)
+    reach_lo = torch.where(zero > 0, -lo / zero.clamp_min(1), 0.0)
+    scale = torch.maximum(scale, torch.maximum(reach_hi, reach_lo))
+    code = (SCALE_STEPS * (SCALE_TOP_LOG2 - torch.log2(scale))).round().clamp(0, 255)
+    codes = (xf / SCALE_TABLE[code.long()] + zero).round().clamp(0, 15)
+    return codes.to(torch.uint8), code.to(torch.uint8).squeeze(dim), zero.to(torch.uint8).squeeze(dim)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -125,25 +147,36 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """v: [T, KV, D] -> packed codes [T, KV, D / 2] and parameters [T, KV, 2] (scale, min) in fp16."""
-    codes, scale, lo = quantize(v, -1)
-    return pack(codes), torch.stack([scale, lo], dim=-1)
+    """v: [T, KV, D] -> packed codes [T, KV, D / 2] and parameters [T, KV, 2] (scale code, zero point), uint8."""
+    codes, scale, zero = quantize(v, -1)
+    return pack(codes), torch.stack([scale, zero], dim=-1)
 
 
 def quantize_key_blocks(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k: [C, block_size, KV, D], whole blocks -> packed codes [C, block_size, KV, D / 2] and parameters
-    [C, KV, 2, D] (per channel scale and min) in fp16."""
-    codes, scale, lo = quantize(k, 1)
-    return pack(codes), torch.stack([scale, lo], dim=2)
+    [C, KV, D + D / 2], uint8: each channel's scale code, then the channels' zero points packed two a byte."""
+    codes, scale, zero = quantize(k, 1)
+    return pack(codes), torch.cat([scale, pack(zero)], dim=-1)
+
+
+def value_scales(params: torch.Tensor) -> torch.Tensor:
+    """[..., 2] value parameters -> [...] float scales."""
+    return SCALE_TABLE[params[..., 0].long()]
+
+
+def key_scales(params: torch.Tensor) -> torch.Tensor:
+    """[..., D + D / 2] key parameters -> [..., D] float scales."""
+    return SCALE_TABLE[params[..., :params.shape[-1] * 2 // 3].long()]
 
 
 def dequantize_values(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """[..., KV, D / 2] codes with [..., KV, 2] parameters -> [..., KV, D] fp32."""
-    p = params.float()
-    return unpack(packed).float() * p[..., :1] + p[..., 1:]
+    zero = params[..., 1:].float()
+    return (unpack(packed).float() - zero) * value_scales(params).unsqueeze(-1)
 
 
 def dequantize_key_blocks(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """[..., block_size, KV, D / 2] codes with [..., KV, 2, D] parameters -> [..., block_size, KV, D] fp32."""
-    p = params.float().unsqueeze(-4)  # broadcast over the block's tokens
-    return unpack(packed).float() * p[..., 0, :] + p[..., 1, :]
+    """[..., block_size, KV, D / 2] codes with [..., KV, D + D / 2] parameters -> [..., block_size, KV, D] fp32."""
+    d = params.shape[-1] * 2 // 3
+    zero = unpack(params[..., d:]).float().unsqueeze(-3)  # broadcast over the block's tokens
+    return (unpack(packed).float() - zero) * key_scales(params).unsqueeze(-3)

@@ -103,7 +103,7 @@ class Attention(nn.Module):
         if ctx.kernels is not None and kv.fmt.int4:
             plan = ctx.meta.key_plan
             ctx.kernels.rope_and_cache_int4(qkv, ctx.cos, ctx.sin, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_tail,
-                                            ctx.meta.slot_mapping, plan.rows, plan.completions, ctx.block_size,
+                                            kv.k_offset, ctx.meta.slot_mapping, plan.rows, plan.completions, ctx.block_size,
                                             self.num_heads, self.num_kv_heads)
         elif ctx.kernels is not None:  # rotates q and k inside qkv and writes k, v to the cache in one pass
             ctx.kernels.rope_and_cache(qkv, ctx.cos, ctx.sin, kv.k, kv.v, kv.k_scale, kv.v_scale,

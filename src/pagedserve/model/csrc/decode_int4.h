@@ -5,18 +5,18 @@
 // int4 (KIVI) decode, 16-token blocks. Codes are read in nibble order: of each 32 channels, a vector of the 16
 // low nibbles (even channels) and one of the 16 high nibbles (odd channels); q, the key parameters and the value
 // accumulators are kept deinterleaved the same way, so no code is shuffled. A quantized block's per-channel key
-// scales fold into q (q.k = (q * s).code + q.m); a value's per-token scale rides on its probability and its
-// minimum on a running sum of probabilities times minimums, added to every channel at the end.
+// scales fold into q (q.k = (q * s).code + q.m, m = -zero * s); a value's per-token scale rides on its probability
+// and its minimum on a running sum of probabilities times minimums, added to every channel at the end.
 struct Int4Head {
   const uint8_t* k;            // this head's first key codes (slot 0)
   const uint8_t* v;
-  const uint16_t* k_params;    // fp16 scales then mins of block 0, this head
-  const uint16_t* v_params;    // fp16 (scale, min) of slot 0, this head
+  const uint8_t* k_params;     // block 0's scale codes then zero points (two a byte), this head
+  const uint8_t* v_params;     // slot 0's (scale code, zero point), this head
   const uint16_t* tail;        // bf16 tail row 0, this head
   const int32_t* tail_of_block;
   int64_t code_row;            // bytes between slots' codes
-  int64_t k_params_stride;     // halves between blocks' key parameters
-  int64_t v_params_stride;     // halves between slots' value parameters
+  int64_t k_params_stride;     // bytes between blocks' key parameters
+  int64_t v_params_stride;     // bytes between slots' value parameters
   int64_t tail_row;            // halves between tail rows
 };
 
@@ -32,8 +32,9 @@ static inline void nibbles(const uint8_t* p, __m512& lo, __m512& hi) {
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
 }
 
-static inline __m512 half16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// 16 scale codes as their scales.
+static inline __m512 scales16(const uint8_t* codes, const float* table) {
+  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))), table, 4);
 }
 
 template <int D, int G>
@@ -42,6 +43,7 @@ static void attend_int4(const uint16_t* q, const Int4Head& h, const int64_t* tab
   constexpr int C = D / 32;  // 32-channel chunks: one even and one odd vector each
   __m512 qe[G][C], qo[G][C], ae[G][C], ao[G][C];
   float m[G], l[G], pm[G];
+  const float* scale_of = int4_scale_table();
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
       deinterleave(bf16_to_f32(q + g * D + c * 32), bf16_to_f32(q + g * D + c * 32 + 16), qe[g][c], qo[g][c]);
@@ -68,18 +70,22 @@ static void attend_int4(const uint16_t* q, const Int4Head& h, const int64_t* tab
         }
       }
     } else {
-      const uint16_t* kp = h.k_params + block * h.k_params_stride;
+      const uint8_t* kp = h.k_params + block * h.k_params_stride;
+      __m512 se[C], so[C], me[C], mo[C];
+      for (int c = 0; c < C; ++c) {
+        deinterleave(scales16(kp + c * 32, scale_of), scales16(kp + c * 32 + 16, scale_of), se[c], so[c]);
+        nibbles(kp + D + c * 16, me[c], mo[c]);  // zero points, even and odd channels
+        me[c] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), me[c]), se[c]);
+        mo[c] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), mo[c]), so[c]);
+      }
       __m512 qse[G][C], qso[G][C];
       float bias[G];
       for (int g = 0; g < G; ++g) {
         __m512 b = _mm512_setzero_ps();
         for (int c = 0; c < C; ++c) {
-          __m512 se, so, me, mo;
-          deinterleave(half16(kp + c * 32), half16(kp + c * 32 + 16), se, so);
-          deinterleave(half16(kp + D + c * 32), half16(kp + D + c * 32 + 16), me, mo);
-          qse[g][c] = _mm512_mul_ps(qe[g][c], se);
-          qso[g][c] = _mm512_mul_ps(qo[g][c], so);
-          b = _mm512_fmadd_ps(qe[g][c], me, _mm512_fmadd_ps(qo[g][c], mo, b));
+          qse[g][c] = _mm512_mul_ps(qe[g][c], se[c]);
+          qso[g][c] = _mm512_mul_ps(qo[g][c], so[c]);
+          b = _mm512_fmadd_ps(qe[g][c], me[c], _mm512_fmadd_ps(qo[g][c], mo[c], b));
         }
         bias[g] = _mm512_reduce_add_ps(b);
       }
@@ -113,8 +119,8 @@ static void attend_int4(const uint16_t* q, const Int4Head& h, const int64_t* tab
     }
     for (int64_t j = 0; j < n; ++j) {
       const uint8_t* v = h.v + (slot0 + j) * h.code_row;
-      const uint16_t* vp = h.v_params + (slot0 + j) * h.v_params_stride;
-      const float vs = half_to_float(vp[0]), vm = half_to_float(vp[1]);
+      const uint8_t* vp = h.v_params + (slot0 + j) * h.v_params_stride;
+      const float vs = scale_of[vp[0]], vm = -static_cast<float>(vp[1]) * vs;
       __m512 lo[C], hi[C];
       for (int c = 0; c < C; ++c) nibbles(v + c * 16, lo[c], hi[c]);
       for (int g = 0; g < G; ++g) {
@@ -154,6 +160,6 @@ static bool attend_int4_group(int64_t group, const uint16_t* q, const Int4Head& 
 
 static inline Int4Head int4_head(const QuantRowReader& k, const QuantRowReader& v, int64_t kvh, int64_t d) {
   const int64_t kv = k.num_kv_heads;
-  return {k.codes + kvh * d / 2, v.codes + kvh * d / 2, k.int4.params + kvh * 2 * d, v.int4.params + kvh * 2,
-          k.int4.tail + kvh * d, k.int4.tail_of_block, kv * d / 2, kv * 2 * d, kv * 2, kv * d};
+  return {k.codes + kvh * d / 2, v.codes + kvh * d / 2, k.int4.params + kvh * d * 3 / 2, v.int4.params + kvh * 2,
+          k.int4.tail + kvh * d, k.int4.tail_of_block, kv * d / 2, kv * d * 3 / 2, kv * 2, kv * d};
 }

@@ -47,17 +47,19 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x [B, hidden] bf16 (the embeddings) -> the last layer's output; one KV cache (and its optional scales) per
-  // layer. int4 KV: the step's key plan (key_rows, completions), each layer's key tails and the tail of each block.
+  // layer. int4 KV: the step's key plan (key_rows, completions), each layer's key tails and key offsets, and the
+  // tail of each block.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                         std::vector<c10::optional<torch::Tensor>> k_scales,
                         std::vector<c10::optional<torch::Tensor>> v_scales, c10::optional<torch::Tensor> key_rows,
                         c10::optional<torch::Tensor> completions, std::vector<c10::optional<torch::Tensor>> k_tails,
+                        std::vector<c10::optional<torch::Tensor>> k_offsets,
                         c10::optional<torch::Tensor> tail_of_block) const {
     const size_t n = layers_.size();
     TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && k_scales.size() == n && v_scales.size() == n &&
-                k_tails.size() == n, "one KV cache per layer");
+                k_tails.size() == n && k_offsets.size() == n, "one KV cache per layer");
     const bool int4 = key_rows.has_value();
     TORCH_CHECK(!int4 || (completions && tail_of_block), "int4 KV needs the key plan and the blocks' tails");
     const int64_t q_size = num_heads_ * head_dim_;
@@ -65,9 +67,10 @@ class DecodeStack {
       const Layer& layer = layers_[i];
       torch::Tensor qkv = linear(rms_norm(x, layer.input_norm, eps_), layer.qkv, c10::nullopt);
       if (int4) {
-        TORCH_CHECK(k_scales[i] && v_scales[i] && k_tails[i], "int4 KV needs its parameters and key tails");
+        TORCH_CHECK(k_scales[i] && v_scales[i] && k_tails[i] && k_offsets[i],
+                    "int4 KV needs its parameters, key tails and key offsets");
         rope_and_cache_int4(qkv, cos, sin, k_caches[i], v_caches[i], *k_scales[i], *v_scales[i], *k_tails[i],
-                            slot_mapping, *key_rows, *completions, block_size, num_heads_, num_kv_heads_);
+                            *k_offsets[i], slot_mapping, *key_rows, *completions, block_size, num_heads_, num_kv_heads_);
       } else {
         rope_and_cache(qkv, cos, sin, k_caches[i], v_caches[i], k_scales[i], v_scales[i], slot_mapping, num_heads_,
                        num_kv_heads_);

@@ -147,14 +147,15 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
   });
 }
 
-// The int4 pool's write (model/kv_int4.py has the reference): rotates q and k in place as rope_and_cache does,
-// quantizes each token's v per token into its slot, copies each k into its block's bf16 tail row (key_rows, -1:
-// none), then quantizes the keys of every block that fills this step per channel (completions: [C, 3] int64 of
-// block, tail or -1, first qkv row when the whole block was written this step).
+// The int4 pool's write (model/kv_int4.py has the reference): rotates q and k in place as rope_and_cache does and
+// shifts k by the layer's key offset (k_offset, float32 [KV, D]; the shifted keys stay in qkv), quantizes each
+// token's v per token into its slot, copies each k into its block's bf16 tail row (key_rows, -1: none), then
+// quantizes the keys of every block that fills this step per channel (completions: [C, 3] int64 of block, tail or
+// -1, first qkv row when the whole block was written this step).
 void rope_and_cache_int4(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor k_params, torch::Tensor v_params, torch::Tensor k_tail,
-                         torch::Tensor slot_mapping, torch::Tensor key_rows, torch::Tensor completions,
-                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads) {
+                         torch::Tensor k_offset, torch::Tensor slot_mapping, torch::Tensor key_rows,
+                         torch::Tensor completions, int64_t block_size, int64_t num_heads, int64_t num_kv_heads) {
   check_bf16(qkv, "qkv");
   TORCH_CHECK(k_cache.scalar_type() == torch::kByte && v_cache.scalar_type() == torch::kByte && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(), "int4 caches must be contiguous uint8");
@@ -168,13 +169,17 @@ void rope_and_cache_int4(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
                   completions.dim() == 2 && completions.size(1) == 3,
               "shapes do not match");
   const int64_t slots = k_cache.size(0), blocks = slots / block_size, num_tail_rows = k_tail.size(0);
-  TORCH_CHECK(k_params.scalar_type() == torch::kHalf && v_params.scalar_type() == torch::kHalf &&
-                  k_params.numel() == blocks * num_kv_heads * 2 * d && v_params.numel() == slots * num_kv_heads * 2 &&
-                  k_tail.scalar_type() == torch::kBFloat16 && k_tail.is_contiguous(),
-              "int4 parameters and tails do not match the pool");
+  TORCH_CHECK(k_params.scalar_type() == torch::kByte && v_params.scalar_type() == torch::kByte &&
+                  k_params.is_contiguous() && v_params.is_contiguous() &&
+                  k_params.numel() == blocks * num_kv_heads * d * 3 / 2 && v_params.numel() == slots * num_kv_heads * 2 &&
+                  k_tail.scalar_type() == torch::kBFloat16 && k_tail.is_contiguous() &&
+                  k_offset.scalar_type() == torch::kFloat && k_offset.is_contiguous() &&
+                  k_offset.numel() == num_kv_heads * d,
+              "int4 parameters, tails and key offsets do not match the pool");
   uint16_t* base = bits_mut(qkv);
   uint8_t *kc = k_cache.data_ptr<uint8_t>(), *vc = v_cache.data_ptr<uint8_t>();
-  auto *kp = reinterpret_cast<uint16_t*>(k_params.data_ptr()), *vp = reinterpret_cast<uint16_t*>(v_params.data_ptr());
+  uint8_t *kp = k_params.data_ptr<uint8_t>(), *vp = v_params.data_ptr<uint8_t>();
+  const float* offset = k_offset.data_ptr<float>();
   auto* tail = reinterpret_cast<uint16_t*>(k_tail.data_ptr());
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t *sm = slot_mapping.data_ptr<int64_t>(), *kr = key_rows.data_ptr<int64_t>();
@@ -184,12 +189,14 @@ void rope_and_cache_int4(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
     for (int64_t t = begin; t < end; ++t) {
       uint16_t* row = base + t * ld;
       rope_row(row, cp + t * half, sp + t * half, num_heads + num_kv_heads, d);
+      uint16_t* k = row + num_heads * d;
+      for (int64_t i = 0; i < num_kv_heads * d; ++i) k[i] = float_to_bf16(bf16_to_float(k[i]) - offset[i]);
       const int64_t slot = sm[t];
       TORCH_CHECK(slot >= 0 && slot < slots && kr[t] < num_tail_rows, "slot or key row out of range");
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const uint16_t* v = row + (num_heads + num_kv_heads + h) * d;
         for (int64_t i = 0; i < d; ++i) x[i] = bf16_to_float(v[i]);
-        uint16_t* p = vp + (slot * num_kv_heads + h) * 2;
+        uint8_t* p = vp + (slot * num_kv_heads + h) * 2;
         int4_codes(x.data(), d, 1, codes.data(), p, p + 1);
         uint8_t* dst = vc + (slot * num_kv_heads + h) * half;
         for (int64_t i = 0; i < half; ++i) dst[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
@@ -212,9 +219,12 @@ void rope_and_cache_int4(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
                                            : base + (first + j) * ld + (num_heads + h) * d;
         for (int64_t i = 0; i < d; ++i) x[j * d + i] = bf16_to_float(k[i]);
       }
-      uint16_t* p = kp + (block * num_kv_heads + h) * 2 * d;
+      uint8_t* p = kp + (block * num_kv_heads + h) * (d + half);
       for (int64_t i = 0; i < d; ++i) {
-        int4_codes(x.data() + i, block_size, d, codes.data(), p + i, p + d + i);
+        uint8_t zero;
+        int4_codes(x.data() + i, block_size, d, codes.data(), p + i, &zero);
+        uint8_t& zeros = p[d + i / 2];
+        zeros = (i % 2 == 0) ? static_cast<uint8_t>((zeros & 0xF0) | zero) : static_cast<uint8_t>((zeros & 0x0F) | (zero << 4));
         for (int64_t j = 0; j < block_size; ++j) {
           uint8_t& dst = kc[((block * block_size + j) * num_kv_heads + h) * half + i / 2];
           dst = (i % 2 == 0) ? static_cast<uint8_t>((dst & 0xF0) | codes[j]) : static_cast<uint8_t>((dst & 0x0F) | (codes[j] << 4));

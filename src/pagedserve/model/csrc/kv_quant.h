@@ -1,12 +1,14 @@
 // Quantized KV cache rows (model/kv_cache_dtype.py): fp8 (e4m3 / e5m2) with a scale per KV head, int8 with a
 // scale per token and KV head, int4 (model/kv_int4.py) with keys per channel across a full block (a partial
-// block's keys read from their bf16 tail) and values per token, each with an fp16 scale and minimum. Readers widen one cached row to fp32 in registers; writers quantize on the way in
+// block's keys read from their bf16 tail) and values per token, each with a scale code on a log grid and a 4-bit
+// zero point. Readers widen one cached row to fp32 in registers; writers quantize on the way in
 // as the PyTorch reference does (x / scale, round half to even, saturate), but built with -ffast-math: a value
 // within an ulp of a rounding boundary may land on the neighbouring code.
 #pragma once
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,11 +43,20 @@ inline float fp8_to_float(uint8_t x) {
   return f;
 }
 
-inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+// int4 scale codes (model/kv_int4.py SCALE_TABLE): code u is 2^(9 - u / 12), 12 steps an octave.
+inline const float* int4_scale_table() {
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int u = 0; u < 256; ++u) t[u] = static_cast<float>(std::exp2(9.0 - u / 12.0));
+    return t;
+  }();
+  return table.data();
+}
 
 // int4: how one side (K or V) of the pool is laid out; see model/kv_int4.py.
 struct Int4Layout {
-  const uint16_t* params = nullptr;         // fp16: keys [blocks, KV, 2, D] (scales, mins), values [slots, KV, 2]
+  const uint8_t* params = nullptr;          // keys [blocks, KV, D + D / 2] (scale codes, then zero points two a
+                                            // byte), values [slots, KV, 2] (scale code, zero point)
   const uint16_t* tail = nullptr;           // keys: bf16 [tails * block_size, KV, D], partial blocks' keys
   const int32_t* tail_of_block = nullptr;   // keys: [blocks], -1 where the block's keys are quantized
   int64_t block_size = 0;
@@ -63,9 +74,10 @@ struct QuantRowReader {
   template <int D>
   inline void load_int4(int64_t slot, int64_t head, float* __restrict__ out) const {
     const uint8_t* row = codes + (slot * num_kv_heads + head) * (D / 2);
+    const float* table = int4_scale_table();
     if (!int4.keys) {
-      const uint16_t* p = int4.params + (slot * num_kv_heads + head) * 2;
-      const float s = half_to_float(p[0]), m = half_to_float(p[1]);
+      const uint8_t* p = int4.params + (slot * num_kv_heads + head) * 2;
+      const float s = table[p[0]], m = -static_cast<float>(p[1]) * s;
 #pragma omp simd
       for (int i = 0; i < D / 2; ++i) {
         out[2 * i] = static_cast<float>(row[i] & 15) * s + m;
@@ -81,11 +93,11 @@ struct QuantRowReader {
       for (int i = 0; i < D; ++i) o[i] = static_cast<uint32_t>(r[i]) << 16;
       return;
     }
-    const uint16_t* s = int4.params + (block * num_kv_heads + head) * 2 * D;
-    const uint16_t* m = s + D;
+    const uint8_t* s = int4.params + (block * num_kv_heads + head) * (D + D / 2);
+    const uint8_t* z = s + D;
     for (int i = 0; i < D / 2; ++i) {
-      out[2 * i] = static_cast<float>(row[i] & 15) * half_to_float(s[2 * i]) + half_to_float(m[2 * i]);
-      out[2 * i + 1] = static_cast<float>(row[i] >> 4) * half_to_float(s[2 * i + 1]) + half_to_float(m[2 * i + 1]);
+      out[2 * i] = static_cast<float>((row[i] & 15) - (z[i] & 15)) * table[s[2 * i]];
+      out[2 * i + 1] = static_cast<float>((row[i] >> 4) - (z[i] >> 4)) * table[s[2 * i + 1]];
     }
   }
 
@@ -120,7 +132,7 @@ inline QuantRowReader quant_reader(const torch::Tensor& cache, const c10::option
   return {kind, reinterpret_cast<const uint8_t*>(cache.data_ptr()), scale->data_ptr<float>(), kv, {}};
 }
 
-// int4 readers: k_params [blocks, KV, 2, D] and v_params [slots, KV, 2] fp16, k_tail bf16 [tails * block_size, KV,
+// int4 readers: k_params [blocks, KV, D + D / 2] and v_params [slots, KV, 2] uint8, k_tail bf16 [tails * block_size, KV,
 // D], tail_of_block int32 [blocks].
 inline std::pair<QuantRowReader, QuantRowReader> int4_readers(
     const torch::Tensor& k_cache, const torch::Tensor& v_cache, const c10::optional<torch::Tensor>& k_params,
@@ -131,18 +143,18 @@ inline std::pair<QuantRowReader, QuantRowReader> int4_readers(
   const int64_t slots = k_cache.size(0), kv = k_cache.size(1), d = k_cache.size(2) * 2;
   TORCH_CHECK(block_size > 0 && slots % block_size == 0, "int4: slots must be whole blocks");
   const int64_t blocks = slots / block_size;
-  TORCH_CHECK(k_params->scalar_type() == torch::kHalf && v_params->scalar_type() == torch::kHalf &&
-                  k_params->is_contiguous() && v_params->is_contiguous() && k_params->numel() == blocks * kv * 2 * d &&
+  TORCH_CHECK(k_params->scalar_type() == torch::kByte && v_params->scalar_type() == torch::kByte &&
+                  k_params->is_contiguous() && v_params->is_contiguous() && k_params->numel() == blocks * kv * d * 3 / 2 &&
                   v_params->numel() == slots * kv * 2,
-              "int4 parameters must be contiguous fp16 [blocks, KV, 2, D] (keys) and [slots, KV, 2] (values)");
+              "int4 parameters must be contiguous uint8 [blocks, KV, D * 3/2] (keys) and [slots, KV, 2] (values)");
   TORCH_CHECK(k_tail->scalar_type() == torch::kBFloat16 && k_tail->is_contiguous() &&
                   k_tail->numel() % (block_size * kv * d) == 0,
               "int4 key tails must be contiguous bf16 [tails * block_size, KV, D]");
   TORCH_CHECK(tail_of_block->scalar_type() == torch::kInt && tail_of_block->is_contiguous() &&
                   tail_of_block->numel() == blocks,
               "tail_of_block must be int32 [blocks]");
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_params->data_ptr());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_params->data_ptr());
+  const uint8_t* kp = k_params->data_ptr<uint8_t>();
+  const uint8_t* vp = v_params->data_ptr<uint8_t>();
   const auto* tail = reinterpret_cast<const uint16_t*>(k_tail->data_ptr());
   const int32_t* tob = tail_of_block->data_ptr<int32_t>();
   return {QuantRowReader{KVKind::kInt4, reinterpret_cast<const uint8_t*>(k_cache.data_ptr()), nullptr, kv,
@@ -160,21 +172,24 @@ inline std::pair<QuantRowReader, QuantRowReader> quant_readers(
   return {quant_reader(k_cache, k_scale, kind), quant_reader(v_cache, v_scale, kind)};
 }
 
-// int4 asymmetric codes of n floats with their fp16 scale and minimum: (x - min) / scale rounded into 0..15, from
-// the fp16-rounded scale and minimum (what readers use). Returns the codes in out[0..n).
-inline void int4_codes(const float* x, int64_t n, int64_t stride, uint8_t* out, uint16_t* scale_bits,
-                       uint16_t* min_bits) {
+// int4 asymmetric codes of n floats (model/kv_int4.py quantize): x / scale + zero rounded into 0..15, from the
+// scale the code rounds to (what readers use). Returns the codes in out[0..n), the scale code and zero point.
+inline void int4_codes(const float* x, int64_t n, int64_t stride, uint8_t* out, uint8_t* scale_code, uint8_t* zero) {
   float lo = x[0], hi = x[0];
   for (int64_t i = 1; i < n; ++i) {
     lo = std::min(lo, x[i * stride]);
     hi = std::max(hi, x[i * stride]);
   }
-  const c10::Half s(std::max((hi - lo) * (1.f / 15.f), 1e-8f)), m(lo);
-  *scale_bits = s.x;
-  *min_bits = m.x;
-  const float inv = 1.f / static_cast<float>(s), mf = static_cast<float>(m);
+  float s = std::max((hi - lo) / 15.f, 1e-30f);
+  const float z = std::clamp(std::nearbyint(-lo / s), 0.f, 15.f);
+  if (z < 15.f) s = std::max(s, hi / (15.f - z));  // the range reaches from 0 when it does not hold it
+  if (z > 0.f) s = std::max(s, -lo / z);
+  const float u = std::clamp(std::nearbyint(12.f * (9.f - std::log2(s))), 0.f, 255.f);
+  *scale_code = static_cast<uint8_t>(u);
+  *zero = static_cast<uint8_t>(z);
+  const float inv = 1.f / int4_scale_table()[*scale_code];
   for (int64_t i = 0; i < n; ++i)
-    out[i] = static_cast<uint8_t>(std::clamp(std::nearbyint((x[i * stride] - mf) * inv), 0.f, 15.f));
+    out[i] = static_cast<uint8_t>(std::clamp(std::nearbyint(x[i * stride] * inv + z), 0.f, 15.f));
 }
 
 // Quantizes n floats into one cache row; int8 also sets the row's scale (amax / 127, as the reference).

@@ -18,8 +18,8 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
                     torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads);
 void rope_and_cache_int4(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor k_params, torch::Tensor v_params, torch::Tensor k_tail,
-                         torch::Tensor slot_mapping, torch::Tensor key_rows, torch::Tensor completions,
-                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads);
+                         torch::Tensor k_offset, torch::Tensor slot_mapping, torch::Tensor key_rows,
+                         torch::Tensor completions, int64_t block_size, int64_t num_heads, int64_t num_kv_heads);
 
 std::vector<int64_t> quant_paths();
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
