@@ -125,8 +125,9 @@ def test_paged_decode_attention(kernels, dtype, kv_cache_dtype: str, heads: int,
 @pytest.mark.parametrize("rows", [1, 9, 300])
 def test_rope_and_cache_quantizes_on_the_way_in(kernels, kv_cache_dtype: str, rows: int) -> None:
     """The fused write quantizes rotated k and v as the reference quantize_rows does (a value within an ulp of a
-    rounding boundary may take the neighbouring code), into their slots only, with int8 scales per token and head."""
+    rounding boundary may take the neighbouring code), into their slots only, with int8 scale codes per token and head."""
     from pagedserve.model.kv_cache_dtype import LayerKVCache, quantize_rows, resolve_kv_format
+    from pagedserve.model.scale_codes import scales_of
 
     heads, kv_heads, d, slots = 9, 3, 64, 400
     fmt = resolve_kv_format(kv_cache_dtype, BF16)
@@ -143,9 +144,11 @@ def test_rope_and_cache_quantizes_on_the_way_in(kernels, kv_cache_dtype: str, ro
         x = x.reshape(rows, kv_heads, d).float()
         codes, scale = quantize_rows(x, fmt, scales)
         got = stored[slot_mapping].float()
-        if fmt.per_token_scale:
-            scale = scales[slot_mapping]
-            torch.testing.assert_close(scale, x.abs().amax(-1) / 127)
+        if fmt.per_token_scale:  # scale codes: amax / 127 rounded up onto the log grid, as the reference
+            assert (scales[slot_mapping].int() - scale.int()).abs().le(1).all()
+            scale = scales_of(scales[slot_mapping])
+            ideal = x.abs().amax(-1) / 127
+            assert scale.ge(ideal * 0.9999).all() and scale.le(ideal * 2 ** (1 / 12) * 1.0001).all()
             assert (got - codes.float()).abs().le(1).all()
             assert (got * scale.unsqueeze(-1) - x).abs().le(scale.unsqueeze(-1) * 0.5001).all()
         else:

@@ -61,9 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="size of the KV pool, e.g. 512MiB or 2GiB")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                    help="KV cache storage: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2 with a scale per "
-                        "layer and KV head calibrated at start-up, int8 with a scale per token and head; these fit "
-                        "about 2x the tokens into --kv-cache-memory. int4 (KIVI: keys per channel over a full "
-                        "block, values per token, a partial block's keys in bf16 until it fills) about 3x")
+                        "layer and KV head calibrated at start-up, int8 with an 8-bit scale code per token and "
+                        "head; these fit about 2x the tokens into --kv-cache-memory. int4 (KIVI: keys per channel "
+                        "over a full block, values per token, a partial block's keys in bf16 until it fills) 3.5x")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context length cap")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

@@ -3,7 +3,8 @@
 - the model dtype (or bfloat16 under a float32 model): stored as computed;
 - fp8_e4m3 / fp8_e5m2: one scale per layer and KV head, set by a calibration pass at start-up (the largest
   |K| and |V| each head produces over a fixed text, with 2x headroom; values beyond are saturated);
-- int8: symmetric, one scale per token and KV head, computed as the token is written;
+- int8: symmetric, one scale per token and KV head, computed as the token is written and kept as an 8-bit code
+  (model/scale_codes.py, rounded up);
 - int4: KIVI-style, keys per channel across a full block and values per token (model/kv_int4.py).
 
 Scales live beside the blocks (per slot, or per head for fp8), so a block stays self-contained for prefix
@@ -18,6 +19,7 @@ import torch
 
 from pagedserve.model import kv_int4
 from pagedserve.model.kv_int4 import KeyTails, KeyWritePlan
+from pagedserve.model.scale_codes import scale_code, scales_of
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 FP8_HEADROOM = 2.0  # calibrated amax times this maps to the format's largest value
@@ -54,7 +56,7 @@ class KVFormat:
         if self.int4:  # codes; a scale code and 4-bit zero point per key channel; a scale code and zero per value
             return num_kv_heads * (block_size * head_dim + head_dim * 3 // 2 + block_size * 2)
         data = head_dim * torch.empty(0, dtype=self.storage).element_size()
-        return 2 * block_size * num_kv_heads * (data + (4 if self.per_token_scale else 0))
+        return 2 * block_size * num_kv_heads * (data + (1 if self.per_token_scale else 0))
 
 
 def resolve_kv_format(name: str, model_dtype: torch.dtype) -> KVFormat:
@@ -71,7 +73,7 @@ def resolve_kv_format(name: str, model_dtype: torch.dtype) -> KVFormat:
 
 class LayerKVCache:
     """One layer's K and V in the pool: [slots, kv_heads, head_dim] each, in the format's storage dtype, and
-    their scales: [kv_heads] (fp8) or [slots, kv_heads] (int8); None when stored unquantized.
+    their scales: [kv_heads] (fp8) or [slots, kv_heads] scale codes (int8); None when stored unquantized.
     int4: codes [slots, kv_heads, head_dim / 2], k_scale the keys' uint8 parameters [blocks, kv_heads, head_dim * 3/2]
     and v_scale the values' [slots, kv_heads, 2] (model/kv_int4.py), k_tail the partly written blocks' keys in bf16
     and k_offset the per-channel shift of every key this layer writes (calibrated; float32 [kv_heads, head_dim])."""
@@ -96,8 +98,8 @@ class LayerKVCache:
             self.k_tail = torch.zeros(self.tails.num_tails * block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
             self.tails.on_grow.append(self._grow_tails)
         elif fmt.per_token_scale:
-            self.k_scale = torch.zeros(num_slots, num_kv_heads)
-            self.v_scale = torch.zeros(num_slots, num_kv_heads)
+            self.k_scale = torch.zeros(num_slots, num_kv_heads, dtype=torch.uint8)  # scale codes
+            self.v_scale = torch.zeros(num_slots, num_kv_heads, dtype=torch.uint8)
         elif fmt.quantized:
             self.k_scale = torch.ones(num_kv_heads)
             self.v_scale = torch.ones(num_kv_heads)
@@ -171,7 +173,7 @@ class LayerKVCache:
         if not self.fmt.quantized:
             return blocks.to(dtype)
         if self.fmt.per_token_scale:
-            s = scale.view(-1, block_size, scale.shape[1])[block_table].flatten(-3, -2).unsqueeze(-1)
+            s = scales_of(scale.view(-1, block_size, scale.shape[1])[block_table].flatten(-3, -2)).unsqueeze(-1)
         else:
             s = scale.view(-1, 1)
         return (blocks.float() * s).to(dtype)
@@ -203,10 +205,10 @@ class LayerKVCache:
 
 
 def quantize_rows(x: torch.Tensor, fmt: KVFormat, head_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, kv_heads, head_dim] -> (stored values, scales: [T, kv_heads] for int8, else the head scales)."""
+    """x: [T, kv_heads, head_dim] -> (stored values, scales: [T, kv_heads] codes for int8, else the head scales)."""
     xf = x.float()
     if fmt.per_token_scale:
-        scale = (xf.abs().amax(-1) / 127.0).clamp_min(1e-12)
-        return (xf / scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8), scale
+        code = scale_code((xf.abs().amax(-1) / 127.0).clamp_min(1e-30), round_up=True)
+        return (xf / scales_of(code).unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8), code
     limit = fmt.max_value
     return (xf / head_scale.view(1, -1, 1)).clamp_(-limit, limit).to(fmt.storage), head_scale

@@ -2,8 +2,7 @@
 
 Keys have outlier channels, so they are quantized per channel across the 16 tokens of a full block; values per
 token. Both asymmetric, 4 bits (two codes a byte, the even element in the low nibble): x ~ (code - zero) * scale,
-with an 8-bit scale code on a log grid (SCALE_TABLE: 12 steps an octave from 2^9 down, rounded to the nearest
-step, so it costs at most 2.9% of a step) and a 4-bit zero point. A block's keys can only be quantized once the
+with an 8-bit scale code (model/scale_codes.py, rounded to the nearest step) and a 4-bit zero point. A block's keys can only be quantized once the
 block is full, so until then they wait in bf16 in a tail slot (one per partly written block; KIVI's
 full-precision residual); the write that fills the block quantizes them.
 
@@ -27,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from pagedserve.model.scale_codes import scale_code, scales_of
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +117,6 @@ class KeyTails:
         self.tail_of_block[block] = tail
 
 
-SCALE_STEPS = 12  # scale codes per octave
-SCALE_TOP_LOG2 = 9  # code 0 is 2^9; code 255 is 2^(9 - 255 / 12), about 2e-4
-SCALE_TABLE = (2.0 ** (SCALE_TOP_LOG2 - torch.arange(256, dtype=torch.float64) / SCALE_STEPS)).float()
-
-
 def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 codes of x over dim (uint8, one per element, unpacked), with each group's scale code and
     zero point (uint8, dim removed). The zero point is the code of 0 when the range holds it, else 0 or 15 and the
@@ -132,9 +128,9 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
     reach_hi = torch.where(zero < 15, hi / (15 - zero).clamp_min(1), 0.0)
     reach_lo = torch.where(zero > 0, -lo / zero.clamp_min(1), 0.0)
     scale = torch.maximum(scale, torch.maximum(reach_hi, reach_lo))
-    code = (SCALE_STEPS * (SCALE_TOP_LOG2 - torch.log2(scale))).round().clamp(0, 255)
-    codes = (xf / SCALE_TABLE[code.long()] + zero).round().clamp(0, 15)
-    return codes.to(torch.uint8), code.to(torch.uint8).squeeze(dim), zero.to(torch.uint8).squeeze(dim)
+    code = scale_code(scale, round_up=False)
+    codes = (xf / scales_of(code) + zero).round().clamp(0, 15)
+    return codes.to(torch.uint8), code.squeeze(dim), zero.to(torch.uint8).squeeze(dim)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -161,12 +157,12 @@ def quantize_key_blocks(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def value_scales(params: torch.Tensor) -> torch.Tensor:
     """[..., 2] value parameters -> [...] float scales."""
-    return SCALE_TABLE[params[..., 0].long()]
+    return scales_of(params[..., 0])
 
 
 def key_scales(params: torch.Tensor) -> torch.Tensor:
     """[..., D + D / 2] key parameters -> [..., D] float scales."""
-    return SCALE_TABLE[params[..., :params.shape[-1] * 2 // 3].long()]
+    return scales_of(params[..., :params.shape[-1] * 2 // 3])
 
 
 def dequantize_values(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

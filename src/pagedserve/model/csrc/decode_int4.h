@@ -43,7 +43,7 @@ static void attend_int4(const uint16_t* q, const Int4Head& h, const int64_t* tab
   constexpr int C = D / 32;  // 32-channel chunks: one even and one odd vector each
   __m512 qe[G][C], qo[G][C], ae[G][C], ao[G][C];
   float m[G], l[G], pm[G];
-  const float* scale_of = int4_scale_table();
+  const float* scale_of = scale_code_table();
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
       deinterleave(bf16_to_f32(q + g * D + c * 32), bf16_to_f32(q + g * D + c * 32 + 16), qe[g][c], qo[g][c]);

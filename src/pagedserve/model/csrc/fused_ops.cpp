@@ -112,12 +112,14 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && cos.size(0) == rows && cos.size(1) == half &&
               slot_mapping.size(0) == rows && k_cache.size(1) == num_kv_heads, "shapes do not match");
   // Quantized caches: the scales' shapes are checked by the readers' constructor; writers use the raw pointers.
-  float *ks = nullptr, *vs = nullptr;
+  const float *ks = nullptr, *vs = nullptr;  // fp8: the heads' scales
+  uint8_t *k_codes = nullptr, *v_codes = nullptr;  // int8: the rows' scale codes
   if (kind != KVKind::kPlain) {
-    quant_reader(k_cache, k_scale, kind);
-    quant_reader(v_cache, v_scale, kind);
-    ks = k_scale->data_ptr<float>();
-    vs = v_scale->data_ptr<float>();
+    const QuantRowReader kr = quant_reader(k_cache, k_scale, kind), vr = quant_reader(v_cache, v_scale, kind);
+    ks = kr.scales;
+    vs = vr.scales;
+    k_codes = const_cast<uint8_t*>(kr.row_scales);
+    v_codes = const_cast<uint8_t*>(vr.row_scales);
   }
   uint16_t* base = bits_mut(qkv);
   uint8_t *kc = reinterpret_cast<uint8_t*>(k_cache.data_ptr()), *vc = reinterpret_cast<uint8_t*>(v_cache.data_ptr());
@@ -140,8 +142,12 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
           const uint16_t* src = row + (num_heads + which * num_kv_heads + h) * d;
           for (int64_t i = 0; i < d; ++i) x_f[i] = bf16_to_float(src[i]);
           uint8_t* dst = (which ? vc : kc) + (slot * num_kv_heads + h) * d;
-          float* scales = which ? vs : ks;
-          quantize_row(kind, x_f.data(), d, dst, scales + slot * num_kv_heads + h, scales[h]);
+          const int64_t at = slot * num_kv_heads + h;
+          if (kind == KVKind::kInt8) {
+            quantize_row(kind, x_f.data(), d, dst, (which ? v_codes : k_codes) + at, 1.f);
+          } else {
+            quantize_row(kind, x_f.data(), d, dst, nullptr, (which ? vs : ks)[h]);
+          }
         }
     }
   });

@@ -43,14 +43,20 @@ inline float fp8_to_float(uint8_t x) {
   return f;
 }
 
-// int4 scale codes (model/kv_int4.py SCALE_TABLE): code u is 2^(9 - u / 12), 12 steps an octave.
-inline const float* int4_scale_table() {
+// 8-bit scale codes (model/scale_codes.py) of int8 rows and int4 groups: code u is 2^(9 - u / 12).
+inline const float* scale_code_table() {
   static const auto table = [] {
     std::array<float, 256> t{};
     for (int u = 0; u < 256; ++u) t[u] = static_cast<float>(std::exp2(9.0 - u / 12.0));
     return t;
   }();
   return table.data();
+}
+
+// The code of a positive scale: the nearest, or the smallest scale at least as large when round_up.
+inline uint8_t scale_code(float s, bool round_up) {
+  const float steps = 12.f * (9.f - std::log2(s));
+  return static_cast<uint8_t>(std::clamp(round_up ? std::floor(steps) : std::nearbyint(steps), 0.f, 255.f));
 }
 
 // int4: how one side (K or V) of the pool is laid out; see model/kv_int4.py.
@@ -67,14 +73,15 @@ struct Int4Layout {
 struct QuantRowReader {
   KVKind kind;
   const uint8_t* codes;    // fp8 codes, int8 values or int4 pairs (low nibble first)
-  const float* scales;     // [KV] (fp8) or [slots, KV] (int8)
+  const float* scales;     // fp8: [KV]
+  const uint8_t* row_scales;  // int8: [slots, KV] scale codes
   int64_t num_kv_heads;
   Int4Layout int4;
 
   template <int D>
   inline void load_int4(int64_t slot, int64_t head, float* __restrict__ out) const {
     const uint8_t* row = codes + (slot * num_kv_heads + head) * (D / 2);
-    const float* table = int4_scale_table();
+    const float* table = scale_code_table();
     if (!int4.keys) {
       const uint8_t* p = int4.params + (slot * num_kv_heads + head) * 2;
       const float s = table[p[0]], m = -static_cast<float>(p[1]) * s;
@@ -106,7 +113,7 @@ struct QuantRowReader {
     if (kind == KVKind::kInt4) return load_int4<D>(slot, head, out);
     const uint8_t* row = codes + (slot * num_kv_heads + head) * D;
     if (kind == KVKind::kInt8) {
-      const float s = scales[slot * num_kv_heads + head];
+      const float s = scale_code_table()[row_scales[slot * num_kv_heads + head]];
       const int8_t* r = reinterpret_cast<const int8_t*>(row);
 #pragma omp simd
       for (int i = 0; i < D; ++i) out[i] = static_cast<float>(r[i]) * s;
@@ -124,12 +131,18 @@ struct QuantRowReader {
 
 inline QuantRowReader quant_reader(const torch::Tensor& cache, const c10::optional<torch::Tensor>& scale,
                                    KVKind kind) {
-  TORCH_CHECK(scale.has_value() && scale->scalar_type() == torch::kFloat && scale->is_contiguous(),
-              "a quantized cache needs its float32 scales");
   const int64_t kv = cache.size(1);
-  TORCH_CHECK(kind == KVKind::kInt8 ? scale->numel() == cache.size(0) * kv : scale->numel() == kv,
-              "scales must be [slots, KV] for int8 and [KV] for fp8");
-  return {kind, reinterpret_cast<const uint8_t*>(cache.data_ptr()), scale->data_ptr<float>(), kv, {}};
+  const auto* codes = reinterpret_cast<const uint8_t*>(cache.data_ptr());
+  if (kind == KVKind::kInt8) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == torch::kByte && scale->is_contiguous() &&
+                    scale->numel() == cache.size(0) * kv,
+                "an int8 cache needs its scale codes, uint8 [slots, KV]");
+    return {kind, codes, nullptr, scale->data_ptr<uint8_t>(), kv, {}};
+  }
+  TORCH_CHECK(scale.has_value() && scale->scalar_type() == torch::kFloat && scale->is_contiguous() &&
+                  scale->numel() == kv,
+              "an fp8 cache needs its float32 scales, [KV]");
+  return {kind, codes, scale->data_ptr<float>(), nullptr, kv, {}};
 }
 
 // int4 readers: k_params [blocks, KV, D + D / 2] and v_params [slots, KV, 2] uint8, k_tail bf16 [tails * block_size, KV,
@@ -157,9 +170,9 @@ inline std::pair<QuantRowReader, QuantRowReader> int4_readers(
   const uint8_t* vp = v_params->data_ptr<uint8_t>();
   const auto* tail = reinterpret_cast<const uint16_t*>(k_tail->data_ptr());
   const int32_t* tob = tail_of_block->data_ptr<int32_t>();
-  return {QuantRowReader{KVKind::kInt4, reinterpret_cast<const uint8_t*>(k_cache.data_ptr()), nullptr, kv,
+  return {QuantRowReader{KVKind::kInt4, reinterpret_cast<const uint8_t*>(k_cache.data_ptr()), nullptr, nullptr, kv,
                          {kp, tail, tob, block_size, true}},
-          QuantRowReader{KVKind::kInt4, reinterpret_cast<const uint8_t*>(v_cache.data_ptr()), nullptr, kv,
+          QuantRowReader{KVKind::kInt4, reinterpret_cast<const uint8_t*>(v_cache.data_ptr()), nullptr, nullptr, kv,
                          {vp, nullptr, nullptr, block_size, false}}};
 }
 
@@ -174,7 +187,7 @@ inline std::pair<QuantRowReader, QuantRowReader> quant_readers(
 
 // int4 asymmetric codes of n floats (model/kv_int4.py quantize): x / scale + zero rounded into 0..15, from the
 // scale the code rounds to (what readers use). Returns the codes in out[0..n), the scale code and zero point.
-inline void int4_codes(const float* x, int64_t n, int64_t stride, uint8_t* out, uint8_t* scale_code, uint8_t* zero) {
+inline void int4_codes(const float* x, int64_t n, int64_t stride, uint8_t* out, uint8_t* code, uint8_t* zero) {
   float lo = x[0], hi = x[0];
   for (int64_t i = 1; i < n; ++i) {
     lo = std::min(lo, x[i * stride]);
@@ -184,22 +197,21 @@ inline void int4_codes(const float* x, int64_t n, int64_t stride, uint8_t* out, 
   const float z = std::clamp(std::nearbyint(-lo / s), 0.f, 15.f);
   if (z < 15.f) s = std::max(s, hi / (15.f - z));  // the range reaches from 0 when it does not hold it
   if (z > 0.f) s = std::max(s, -lo / z);
-  const float u = std::clamp(std::nearbyint(12.f * (9.f - std::log2(s))), 0.f, 255.f);
-  *scale_code = static_cast<uint8_t>(u);
+  *code = scale_code(s, false);
   *zero = static_cast<uint8_t>(z);
-  const float inv = 1.f / int4_scale_table()[*scale_code];
+  const float inv = 1.f / scale_code_table()[*code];
   for (int64_t i = 0; i < n; ++i)
     out[i] = static_cast<uint8_t>(std::clamp(std::nearbyint(x[i * stride] * inv + z), 0.f, 15.f));
 }
 
-// Quantizes n floats into one cache row; int8 also sets the row's scale (amax / 127, as the reference).
-inline void quantize_row(KVKind kind, const float* x, int64_t n, uint8_t* dst, float* row_scale, float head_scale) {
+// Quantizes n floats into one cache row; int8 also sets the row's scale code (amax / 127 rounded up, as the
+// reference).
+inline void quantize_row(KVKind kind, const float* x, int64_t n, uint8_t* dst, uint8_t* row_scale, float head_scale) {
   if (kind == KVKind::kInt8) {
     float amax = 0.f;
     for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float s = std::max(amax * (1.f / 127.f), 1e-12f);
-    *row_scale = s;
-    const float inv = 1.f / s;
+    *row_scale = scale_code(std::max(amax / 127.f, 1e-30f), true);
+    const float inv = 1.f / scale_code_table()[*row_scale];
     int8_t* d = reinterpret_cast<int8_t*>(dst);
     for (int64_t i = 0; i < n; ++i) d[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
     return;

@@ -163,12 +163,14 @@ static inline __m512 load_f32x16(const uint8_t* row) {
 }
 
 // One KV head's view of the pool for the decode kernel: byte pointers at the head's first row, and its scales
-// (int8: per slot, a stride of num_kv_heads; fp8: the head's one scale; bf16: none).
+// (int8: scale codes per slot, a stride of num_kv_heads; fp8: the head's one scale; bf16: none).
 struct HeadView {
   const uint8_t* k;
   const uint8_t* v;
   const float* k_scale;
   const float* v_scale;
+  const uint8_t* k_codes;
+  const uint8_t* v_codes;
   int64_t row_bytes;     // between consecutive slots
   int64_t scale_stride;  // int8: between consecutive slots' scales
 };
@@ -185,6 +187,7 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
   constexpr bool kPerToken = K == KVKind::kInt8;
   constexpr bool kPerHead = K == KVKind::kFp8E4M3 || K == KVKind::kFp8E5M2;
   if constexpr (kPerHead) scale *= hv.k_scale[0];
+  const float* scale_of = scale_code_table();
   __m512bh qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
@@ -217,8 +220,8 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
       const uint8_t* k = hv.k + sl * hv.row_bytes;
       __m512bh kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load_bf16x32<K>(k + c * 32 * kElem);
-      const float ks = kPerToken ? hv.k_scale[sl * hv.scale_stride] : 1.f;
-      if constexpr (kPerToken) v_scale[j] = hv.v_scale[sl * hv.scale_stride];
+      const float ks = kPerToken ? scale_of[hv.k_codes[sl * hv.scale_stride]] : 1.f;
+      if constexpr (kPerToken) v_scale[j] = scale_of[hv.v_codes[sl * hv.scale_stride]];
       for (int g = 0; g < G; ++g) {
         __m512 d = _mm512_setzero_ps();
         for (int c = 0; c < C; ++c) d = _mm512_dpbf16_ps(d, qv[g][c], kv[c]);
@@ -300,13 +303,14 @@ static inline KVKind bf16_view_kind(const QuantRowReader& r) { return r.kind; }
 static inline HeadView head_view(const PlainRowReader<at::BFloat16>& k, const PlainRowReader<at::BFloat16>& v,
                                  int64_t kvh, int64_t d) {
   return {reinterpret_cast<const uint8_t*>(k.cache + kvh * d), reinterpret_cast<const uint8_t*>(v.cache + kvh * d),
-          nullptr, nullptr, k.num_kv_heads * d * 2, 0};
+          nullptr, nullptr, nullptr, nullptr, k.num_kv_heads * d * 2, 0};
 }
 
 static inline HeadView head_view(const QuantRowReader& k, const QuantRowReader& v, int64_t kvh, int64_t d) {
   const bool per_token = k.kind == KVKind::kInt8;
-  return {k.codes + kvh * d, v.codes + kvh * d, k.scales + kvh, v.scales + kvh, k.num_kv_heads * d,
-          per_token ? k.num_kv_heads : 0};
+  return {k.codes + kvh * d, v.codes + kvh * d, per_token ? nullptr : k.scales + kvh,
+          per_token ? nullptr : v.scales + kvh, per_token ? k.row_scales + kvh : nullptr,
+          per_token ? v.row_scales + kvh : nullptr, k.num_kv_heads * d, per_token ? k.num_kv_heads : 0};
 }
 #endif
 
@@ -347,9 +351,9 @@ static void decode(const scalar_t* q, const Reader& k_cache, const Reader& v_cac
 }
 
 // q: [B, H, D], rows may be strided (a slice of the fused qkv); k_cache, v_cache: [slots, KV, D] in the model
-// dtype, bfloat16, fp8 or int8 with k_scale / v_scale ([KV] for fp8, [slots, KV] for int8, float32);
+// dtype, bfloat16, fp8 or int8 with k_scale / v_scale ([KV] float32 for fp8, [slots, KV] uint8 scale codes for int8);
 // block_tables: [B, max_blocks] int64; context_lens: [B] int64 (tokens to attend, the current one included).
-// int4: uint8 caches [slots, KV, D / 2], k_scale / v_scale its fp16 parameters, k_tail and tail_of_block the
+// int4: uint8 caches [slots, KV, D / 2], k_scale / v_scale its uint8 parameters, k_tail and tail_of_block the
 // partial blocks' keys (kv_quant.h); 16-token blocks of bf16 queries take attend_int4, others are read row by row.
 // Returns [B, H, D]. D is 64 or 128; at most 8 query heads per KV head.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
