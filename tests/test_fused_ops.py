@@ -60,6 +60,29 @@ def test_rope_and_cache(kernels, rows: int) -> None:
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_rope_and_cache_turns_q_and_k_into_the_hadamard_basis_for_fp8(kernels, kv_cache_dtype: str) -> None:
+    """fp8 caches keep queries and keys in the Hadamard basis: the fused write leaves q and k rotated by RoPE and
+    then by the orthonormal Hadamard matrix in qkv, as the Python layers do (hadamard(rotate(...)))."""
+    from pagedserve.model.kv_cache_dtype import LayerKVCache, hadamard, resolve_kv_format
+
+    heads, kv_heads, d, rows = 9, 3, 64, 7
+    fmt = resolve_kv_format(kv_cache_dtype, BF16)
+    assert fmt.rotates_keys(d) and not fmt.rotates_keys(80) and not resolve_kv_format("int8", BF16).rotates_keys(d)
+    cache = LayerKVCache(fmt, 16, kv_heads, d)
+    cache.set_head_scales(torch.full((kv_heads,), 12.0), torch.full((kv_heads,), 12.0))
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, dtype=BF16)
+    angles = torch.rand(rows, d // 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    q, k, _ = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_ref = hadamard(rotate(q.view(rows, heads, d), cos, sin))
+    k_ref = hadamard(rotate(k.view(rows, kv_heads, d), cos, sin))
+    kernels.rope_and_cache(qkv, cos, sin, cache.k, cache.v, cache.k_scale, cache.v_scale, torch.arange(rows), heads,
+                           kv_heads)
+    close(qkv[:, :heads * d].view(rows, heads, d), q_ref)
+    close(qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d), k_ref)
+
+
 def test_bf16_fast_path_matches_plain_pytorch(kernels) -> None:
     """The whole bf16 model on the fused ops against the same model on PyTorch's elementwise ops."""
     from pagedserve import LLM

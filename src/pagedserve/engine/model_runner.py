@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.engine.request import Request
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan
-from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache, resolve_kv_format
+from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache, hadamard, resolve_kv_format
 from pagedserve.model.kv_int4 import KeyTails
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.lora import LoRAAdapter, LoRABatch, LoRASlots
@@ -58,7 +58,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _calibrate(self, config: ModelConfig, token_ids: list[int]) -> None:
         """One prefill of token_ids into a scratch cache in the model dtype. fp8: each layer's scales come from
-        the largest |K| and |V| per KV head it produced; int4: each layer's key offsets from the mean key."""
+        the largest |K| (in the Hadamard basis fp8 stores them in) and |V| per KV head it produced; int4: each
+        layer's key offsets from the mean key."""
         scratch_fmt = resolve_kv_format("auto", self.model.norm.weight.dtype)
         n, bs = len(token_ids), self.block_size
         num_blocks = -(-n // bs)
@@ -73,7 +74,10 @@ class ModelRunner:
             if self.kv_format.int4:
                 layer.set_key_offset(s.k[:n].float().mean(dim=0))
                 continue
-            layer.set_head_scales(s.k[:n].float().abs().amax(dim=(0, 2)), s.v[:n].float().abs().amax(dim=(0, 2)))
+            keys = s.k[:n].float()
+            if self.kv_format.rotates_keys(config.head_dim):  # the keys fp8 will hold are in the Hadamard basis
+                keys = hadamard(keys)
+            layer.set_head_scales(keys.abs().amax(dim=(0, 2)), s.v[:n].float().abs().amax(dim=(0, 2)))
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]) -> BatchInputs:
         bs = self.block_size

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.attention import AttentionMetadata, paged_attention
+from pagedserve.model.kv_cache_dtype import hadamard
 from pagedserve.model.decode_stack import build_decode_stack, run_decode_stack, stack_takes
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.kv_cache_dtype import LayerKVCache
@@ -114,6 +115,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ctx.kernels is None:
             q, k = rotate(q, ctx.cos, ctx.sin), rotate(k, ctx.cos, ctx.sin)
+            if kv.fmt.rotates_keys(self.head_dim):  # the C++ write turns them inside rope_and_cache
+                q, k = hadamard(q), hadamard(k)
             kv.write(k, v, ctx.meta.slot_mapping, ctx.meta.key_plan)
         o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels).flatten(1)
         out = self.o_proj(o, residual)

@@ -93,10 +93,28 @@ static inline void rope_row(uint16_t* row, const float* c, const float* s, int64
   }
 }
 
+// Sylvester's Hadamard transform, orthonormal, of `heads` bf16 vectors of d (a power of two) in place: the basis
+// fp8 caches keep queries and keys in (KVFormat.rotates_keys in model/kv_cache_dtype.py).
+static void hadamard_rows(uint16_t* row, int64_t heads, int64_t d, float* x) {
+  const float norm = 1.f / std::sqrt(static_cast<float>(d));
+  for (int64_t head = 0; head < heads; ++head) {
+    uint16_t* r = row + head * d;
+    for (int64_t i = 0; i < d; ++i) x[i] = bf16_to_float(r[i]);
+    for (int64_t h = 1; h < d; h <<= 1)
+      for (int64_t i = 0; i < d; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = x[j], b = x[j + h];
+          x[j] = a + b;
+          x[j + h] = a - b;
+        }
+    for (int64_t i = 0; i < d; ++i) r[i] = float_to_bf16(x[i] * norm);
+  }
+}
+
 // qkv: [T, (H + 2 KV) * D], the fused projection's output. Rotates q and k in place (rotate-half RoPE,
 // cos/sin: [T, D/2] fp32, already gathered at each token's position) and writes k and v into the caches
 // ([slots, KV, D], bfloat16, or fp8 / int8 quantized on the way in with k_scale / v_scale as in kv_quant.h)
-// at slot_mapping.
+// at slot_mapping. fp8 with a power-of-two D: q and k then go into the Hadamard basis, in place too.
 void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                     torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
                     torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
@@ -126,11 +144,13 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, tor
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t kv_row = num_kv_heads * d, elem = k_cache.element_size();
+  const bool turn = (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2) && (d & (d - 1)) == 0;
   at::parallel_for(0, rows, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
     std::vector<float> x_f(d);
     for (int64_t t = begin; t < end; ++t) {
       uint16_t* row = base + t * ld;
       rope_row(row, cp + t * half, sp + t * half, num_heads + num_kv_heads, d);
+      if (turn) hadamard_rows(row, num_heads + num_kv_heads, d, x_f.data());
       const int64_t slot = slots[t];
       if (kind == KVKind::kPlain) {
         std::memcpy(kc + slot * kv_row * elem, row + num_heads * d, kv_row * 2);
