@@ -14,8 +14,8 @@ too, so every key of a sequence carries the same shift.
 
 Per layer and KV head a 16-token block of head_dim 64 takes 512 + 512 bytes of codes, 64 + 32 of key scale codes
 and zero points and 32 of values' (one pair per token): 1,152 bytes against bf16's 4,096 (3.56x). With fp16
-scales and minimums (KIVI's own format) it would take 1,344 (3.05x); the 8-bit parameters cost about 0.5% of
-perplexity (docs/benchmarks.md).
+scales and minimums (KIVI's own format) it would take 1,344 (3.05x); the 8-bit parameters cost about 1.4% of
+perplexity (+3.3% against +1.9% over the benchmark text, within int4's 5% budget; docs/benchmarks.md).
 
 The PyTorch functions here are the reference the C++ write (rope_and_cache_int4) and readers are tested against.
 """

@@ -2,7 +2,7 @@
 an octave from 512 down to about 2e-4. One byte instead of an fp16 or fp32 scale is what lets int8 rows and int4
 groups come close to their formats' nominal sizes (int8: 65 bytes a 64-wide row, not 68); the grid's step costs at
 most 5.9% of a quantization step when a scale is rounded up, 2.9% when rounded to the nearest code. The C++
-kernels build the same table (kv_quant.h int4_scale_table)."""
+kernels build the same table (kv_quant.h scale_code_table)."""
 from __future__ import annotations
 
 import torch
