@@ -11,8 +11,14 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan, decode_attention_torch
 from pagedserve.model.kv_cache_dtype import LayerKVCache, resolve_kv_format
-from pagedserve.model.kv_int4 import (KeyTails, dequantize_key_blocks, key_scales, quantize_key_blocks, unpack,
-                                     value_scales)
+from pagedserve.model.kv_int4 import (
+    KeyTails,
+    dequantize_key_blocks,
+    key_scales,
+    quantize_key_blocks,
+    unpack,
+    value_scales,
+)
 from tests.test_fused_ops import assert_prefill_matches_sdpa, kernels  # noqa: F401  (kernels: the fixture)
 
 BF16 = torch.bfloat16

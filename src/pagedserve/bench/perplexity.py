@@ -160,8 +160,9 @@ def render_kv(by_window: dict[int, dict[str, Scored]], args: argparse.Namespace,
               f"{' and '.join(map(str, sizes))} tokens; fp32 weights (the same GGUF) in every row, so only the "
               "cache differs. Prompt scoring attends over the pool: every position reads the stored format. "
               "fp8 scales come from the start-up calibration pass (per layer and KV head) and fp8 keys and "
-              "queries are in the Hadamard basis; int8 scales per token and head (8-bit codes); int4 keys are shifted by their calibrated mean per channel and carry 8-bit scale "
-              "codes and 4-bit zero points (kv_int4.py)."), "",
+              "queries are in the Hadamard basis; int8 scales per token and head (8-bit codes); int4 keys are "
+              "shifted by their calibrated mean per channel and carry 8-bit scale codes and 4-bit zero points "
+              "(kv_int4.py)."), "",
              "| KV cache | " + " | ".join(f"perplexity ({w}) | vs reference ({w}) | top-1 ({w})" for w in sizes)
              + " | budget | tokens per MiB |",
              "|---|" + "---|---|---|" * len(sizes) + "---|---|"]

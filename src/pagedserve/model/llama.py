@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.attention import AttentionMetadata, paged_attention
-from pagedserve.model.kv_cache_dtype import hadamard
 from pagedserve.model.decode_stack import build_decode_stack, run_decode_stack, stack_takes
 from pagedserve.model.kernels import cpu_kernels
-from pagedserve.model.kv_cache_dtype import LayerKVCache
+from pagedserve.model.kv_cache_dtype import LayerKVCache, hadamard
 from pagedserve.model.linear import Linear, can_pack, pack_linears
 from pagedserve.model.lora import LoRABatch
 from pagedserve.model.model_config import ModelConfig

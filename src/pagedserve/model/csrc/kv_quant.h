@@ -43,11 +43,13 @@ inline float fp8_to_float(uint8_t x) {
   return f;
 }
 
-// 8-bit scale codes (model/scale_codes.py) of int8 rows and int4 groups: code u is 2^(9 - u / 12).
+// 8-bit scale codes (model/scale_codes.py) of int8 rows and int4 groups: code u is 2^(kTop - u / kSteps).
+constexpr int kScaleSteps = 12, kScaleTopLog2 = 9;
+
 inline const float* scale_code_table() {
   static const auto table = [] {
     std::array<float, 256> t{};
-    for (int u = 0; u < 256; ++u) t[u] = static_cast<float>(std::exp2(9.0 - u / 12.0));
+    for (int u = 0; u < 256; ++u) t[u] = static_cast<float>(std::exp2(kScaleTopLog2 - u / double(kScaleSteps)));
     return t;
   }();
   return table.data();
@@ -55,7 +57,7 @@ inline const float* scale_code_table() {
 
 // The code of a positive scale: the nearest, or the smallest scale at least as large when round_up.
 inline uint8_t scale_code(float s, bool round_up) {
-  const float steps = 12.f * (9.f - std::log2(s));
+  const float steps = kScaleSteps * (kScaleTopLog2 - std::log2(s));
   return static_cast<uint8_t>(std::clamp(round_up ? std::floor(steps) : std::nearbyint(steps), 0.f, 255.f));
 }
 
