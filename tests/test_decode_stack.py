@@ -55,6 +55,9 @@ def test_stack_serves_only_what_it_covers():
     assert int4.engine.runner.model.decode_stack is not None
     stacked, steps = generate(int4, PROMPTS[:2], stack=True)
     assert steps >= 11 and stacked == generate(int4, PROMPTS[:2], stack=False)[0]
+    int8 = LLM(dtype="bfloat16", quantization="int8", kv_cache_memory="64MiB")  # W8A8 where AMX int8 tiles exist
+    stacked, steps = generate(int8, PROMPTS[:6], stack=True)
+    assert steps >= 11 and stacked == generate(int8, PROMPTS[:6], stack=False)[0]
     plain = LLM(dtype="bfloat16", quantization="none", kv_cache_memory="64MiB")
     assert plain.engine.runner.model.decode_stack is None  # float linears: oneDNN's, from the layers
     reference = LLM(dtype="float32", quantization="gguf", kv_cache_memory="64MiB")

@@ -30,6 +30,7 @@ MODES = [("fp32 (reference)", {"dtype": "float32"}),
          ("gguf, integer kernel at every position", {"dtype": "float32", "quantization": "gguf",
                                                      "dequant_min_rows": INTEGER_ONLY}),
          ("int8 (per channel), fp32", {"dtype": "float32", "quantization": "int8"}),
+         ("int8, bf16 (W8A8 where the CPU has AMX int8 tiles)", {"dtype": "bfloat16", "quantization": "int8"}),
          ("int4 (groups of 32), fp32", {"dtype": "float32", "quantization": "int4"}),
          ("int4, integer kernel at every position", {"dtype": "float32", "quantization": "int4",
                                                      "dequant_min_rows": INTEGER_ONLY})]
@@ -47,7 +48,7 @@ KV_BUDGET = {"bfloat16 KV": 0.01, "fp8_e4m3 KV (fp8)": 0.01, "int8 KV": 0.01,
 JUDGED_FROM = 10_000  # budgets are judged on at least this many tokens; smaller runs (--quick) only report
 # Largest allowed relative increase in perplexity (issue 15's budget for each mode).
 BUDGET = {"bf16": 0.01, "gguf (Q4_1 / Q8_0 as stored), fp32": 0.005, "gguf, integer kernel at every position": 0.005,
-          "int8 (per channel), fp32": 0.01, "int4 (groups of 32), fp32": 0.05,
+          "int8 (per channel), fp32": 0.01, "int8, bf16 (W8A8 where the CPU has AMX int8 tiles)": 0.01, "int4 (groups of 32), fp32": 0.05,
           "int4, integer kernel at every position": 0.05}
 
 

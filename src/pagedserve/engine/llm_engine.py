@@ -29,7 +29,12 @@ from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import is_gguf, load_model
 from pagedserve.model.lora import LoRAAdapter
 from pagedserve.model.quant import QUANTIZATIONS
-from pagedserve.model.quant_linear import gemm_path, kernel_path, quantized_bytes, resolve_quantization
+from pagedserve.model.quant_linear import (
+    quant_kernel,
+    quantized_bytes,
+    resolve_quantization,
+    w8a8_basis,
+)
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -75,11 +80,11 @@ class LLMEngine:
         model = LlamaForCausalLM(loaded.config, loaded.weights.pop("rope_freqs", None))
         model.load_weights(loaded.weights)
         if self.quantization in ("int8", "int4"):
-            model.quantize_linears(self.quantization)
+            model.quantize_linears(self.quantization, hadamard=w8a8_basis(self.quantization, self.dtype))
         model.to(self.dtype).eval()
         self.weight_bytes = quantized_bytes(model)
         self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
-                             "quant_kernel": f"{kernel_path()}+{gemm_path()}" if self.quantization != "none" else "none",
+                             "quant_kernel": quant_kernel(self.quantization, self.dtype),
                              "weight_bytes": self.weight_bytes}
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
         pool_bytes = parse_size(config.kv_cache_memory) - ModelRunner.fixed_bytes(

@@ -42,7 +42,7 @@ def build_decode_stack(model: Any) -> Any | None:
         weights = [m.qweight for m in group]
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         [w.qweight for w in weights], [w.scales for w in weights], [w.mins for w in weights],
-                        [w.bits for w in weights], [w.group for w in weights])
+                        [w.bits for w in weights], [w.group for w in weights], [w.hadamard for w in weights])
     return stack
 
 

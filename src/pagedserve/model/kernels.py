@@ -19,9 +19,11 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
-                                      "quant_gemm.cpp", "quant_gemm_amx.cpp", "decode_stack.cpp", "token_bitmask.cpp",
+                                      "quant_gemm.cpp", "quant_gemm_amx.cpp", "quant_gemm_w8a8.cpp",
+                                      "decode_stack.cpp", "token_bitmask.cpp",
                                       "lora_sgmv.cpp")]
-HEADERS = [CSRC / "vec_math.h", CSRC / "kv_quant.h", CSRC / "decode_int4.h", CSRC / "quant_params.h", CSRC / "ops.h"]
+HEADERS = [CSRC / "vec_math.h", CSRC / "kv_quant.h", CSRC / "decode_int4.h", CSRC / "quant_params.h", CSRC / "ops.h",
+           CSRC / "amx_tiles.h"]
 
 
 @cache

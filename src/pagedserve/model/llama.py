@@ -237,18 +237,24 @@ class LlamaForCausalLM(nn.Module):
         parent, _, name = path.rpartition(".")
         setattr(self.get_submodule(parent) if parent else self, name, QuantLinear(w, module.bias))
 
-    def quantize_linears(self, mode: str, group: int = 32) -> None:
+    def quantize_linears(self, mode: str, group: int = 32, hadamard: int = 0) -> None:
         """int8 / int4 from the loaded float weights: every projection, and the LM head. A head tied to the
         embedding is quantized to int8 whatever the mode (as llama.cpp keeps its output tensor at 6-8 bits:
-        it is the most sensitive matrix) and serves the embedding lookups too."""
+        it is the most sensitive matrix) and serves the embedding lookups too. hadamard: int8's basis for W8A8
+        (quant_linear.w8a8_basis), for every weight whose K it divides; an int4 mode's tied head keeps none."""
+        def basis(w: torch.Tensor, weight_mode: str) -> int:
+            return hadamard if mode == weight_mode == "int8" and hadamard and w.shape[1] % hadamard == 0 else 0
+
         if self.config.tie_word_embeddings:
-            tied = quantize(self.embed_tokens.weight, "int8")
-            self.embed_tokens = QuantEmbedding(tied, self.embed_tokens.weight.dtype)
+            w = self.embed_tokens.weight
+            tied = quantize(w, "int8", hadamard=basis(w, "int8"))
+            self.embed_tokens = QuantEmbedding(tied, w.dtype)
             self.lm_head = QuantLinear(tied)
         for path, module in list(self.named_modules()):
             if isinstance(module, Linear):
                 parent, _, name = path.rpartition(".")
-                quantized = QuantLinear(quantize(module.weight, mode, group), module.bias)
+                w = module.weight
+                quantized = QuantLinear(quantize(w, mode, group, hadamard=basis(w, mode)), module.bias)
                 setattr(self.get_submodule(parent) if parent else self, name, quantized)
 
 

@@ -4,7 +4,9 @@ qweight [N, K] int8 (8 bits) or [N, K/2] uint8 (4 bits: in each 32-wide group by
 nibble and k = j + 16 in its high one, GGML's order), scales [N, K/group] fp32 and, for asymmetric 4 bits,
 mins [N, K/group]: w = scale * q + min. GGUF Q4_0, Q4_1 and Q8_0 convert to it without loss (their fp16
 scales are exact in fp32); `int8` (per output channel, symmetric) and `int4` (per group, asymmetric,
-round-to-nearest) are quantized from float weights of any model.
+round-to-nearest) are quantized from float weights of any model. An `int8` weight that runs W8A8 (activations
+quantized per token, quant_linear.py) is quantized in a Hadamard basis over each 64 input channels (hadamard=64):
+its dequantize() is W.H, and x.H must meet it (turn()); H is orthonormal and symmetric, so x.H.(W.H)^T = x.W^T.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pagedserve.model.kv_cache_dtype import hadamard
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")  # auto: quant_linear.resolve_quantization
 GGUF_BLOCK = 32
@@ -28,6 +32,7 @@ class QuantizedWeight:
     bits: int
     group: int
     source: str  # what it was converted from: a GGUF type, or int8 / int4
+    hadamard: int = 0  # K in blocks of this width turned by Hadamard's matrix (0: not turned)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,19 +63,19 @@ class QuantizedWeight:
         """The rows at index (a permutation or a selection), same layout."""
         mins = None if self.mins is None else self.mins[index].contiguous()
         return QuantizedWeight(self.qweight[index].contiguous(), self.scales[index].contiguous(), mins, self.bits,
-                               self.group, self.source)
+                               self.group, self.source, self.hadamard)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Rows of several weights of one format stacked (fused qkv and gate_up projections)."""
         first = parts[0]
-        if any((p.bits, p.group, p.mins is None) != (first.bits, first.group, first.mins is None) for p in parts):
+        if any((p.bits, p.group, p.mins is None, p.hadamard) != (first.bits, first.group, first.mins is None, first.hadamard)
+               for p in parts):
             raise ValueError(f"cannot fuse weights of different formats: {sorted({p.source for p in parts})}")
         dtype = first.scales.dtype if len({p.scales.dtype for p in parts}) == 1 else torch.float32
         mins = None if first.mins is None else torch.cat([p.mins.to(dtype) for p in parts])
         return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales.to(dtype) for p in parts]),
-                               mins,
-                               first.bits, first.group, "+".join(sorted({p.source for p in parts})))
+                               mins, first.bits, first.group, "+".join(sorted({p.source for p in parts})), first.hadamard)
 
 
 def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
@@ -139,16 +144,27 @@ def _planar_4bit(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, source: st
                            torch.from_numpy(mins.copy()), 4, GGUF_BLOCK, source)
 
 
-def quantize(w: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeight:
-    """int8: per output channel, symmetric. int4: per group, asymmetric, round to nearest."""
+def turn(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x times the block-diagonal Hadamard matrix of `width` over its last dim (a multiple of width), in fp32."""
+    k = x.shape[-1]
+    return hadamard(x.float().reshape(-1, k // width, width)).reshape(x.shape)
+
+
+def quantize(w: torch.Tensor, mode: str, group: int = 32, hadamard: int = 0) -> QuantizedWeight:
+    """int8: per output channel, symmetric, in the Hadamard basis of width `hadamard` when given (see turn()).
+    int4: per group, asymmetric, round to nearest."""
     w = w.detach().float()
     n, k = w.shape
     if k % GGUF_BLOCK:
         raise ValueError(f"{mode} needs K divisible by {GGUF_BLOCK}; this weight is {n}x{k}")
     if mode == "int8":
+        if hadamard:
+            if k % hadamard:
+                raise ValueError(f"a Hadamard basis of {hadamard} needs K divisible by it; this weight is {n}x{k}")
+            w = turn(w, hadamard)
         scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
         q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight(q.contiguous(), scale.contiguous(), None, 8, k, "int8")
+        return QuantizedWeight(q.contiguous(), scale.contiguous(), None, 8, k, "int8", hadamard)
     if mode != "int4":
         raise ValueError(f"unknown quantization {mode!r}")
     if group % GGUF_BLOCK or k % group:

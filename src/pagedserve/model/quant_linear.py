@@ -10,6 +10,11 @@ bf16 activations on a CPU with AMX, our tile kernel dequantizes 32 weight rows a
 bf16 panel and multiplies it on the tiles (`amx`); longer calls (prefill chunks), and every large call without
 AMX, dequantize the weights whole into the activation dtype for oneDNN/MKL (`dequant`): there the panel kernel
 would re-read all activations per 32 weight rows. PAGEDSERVE_QUANT_GEMM forces one of the two.
+
+`int8` in bf16 on a CPU with AMX int8 tiles runs W8A8 at every M (`w8a8`, csrc/quant_gemm_w8a8.cpp): its weights
+are quantized in a Hadamard basis (quant.py) and each token is turned into it and quantized to int8 inside the
+kernel; it reads the int8 weights as the tiles' operand, with nothing to dequantize.
+PAGEDSERVE_QUANT_W8A8=0 keeps int8 on the paths above (W8A16).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.kernels import cpu_kernels
-from pagedserve.model.quant import QuantizedWeight
+from pagedserve.model.quant import QuantizedWeight, turn
 
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}
 # Measured on 3072x576 and 576x1536 (one thread, AVX2): the integer kernel is ~2x faster than dequantize +
@@ -62,6 +67,27 @@ def gemm_path() -> str:
     return wanted
 
 
+@cache
+def w8a8_available() -> bool:
+    """Whether `int8` runs W8A8 on AMX int8 tiles here (bf16 activations); PAGEDSERVE_QUANT_W8A8=0 turns it off."""
+    kernels = cpu_kernels()
+    return (os.environ.get("PAGEDSERVE_QUANT_W8A8", "1") != "0" and kernel_path() != "torch"
+            and kernels is not None and kernels.quant_w8a8_available())
+
+
+def w8a8_basis(mode: str, dtype: torch.dtype) -> int:
+    """The Hadamard width `mode`'s weights are quantized in for a model computed in dtype: 64 where int8 runs
+    W8A8, else 0."""
+    return 64 if mode == "int8" and dtype == torch.bfloat16 and w8a8_available() else 0
+
+
+def quant_kernel(mode: str, dtype: torch.dtype) -> str:
+    """What runs mode's linears here, for /metrics, /v1/models and the benchmarks."""
+    if mode == "none":
+        return "none"
+    return "w8a8-amx" if w8a8_basis(mode, dtype) else f"{kernel_path()}+{gemm_path()}"
+
+
 def few_rows_limit(dtype: torch.dtype) -> int:
     """Calls of fewer rows take the integer kernel; more go to the GEMM path."""
     return AMX_MIN_ROWS if dtype == torch.bfloat16 and gemm_path() == "amx" else DEQUANT_MIN_ROWS
@@ -87,6 +113,11 @@ def _forced(path: str) -> bool:
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_rows: int | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ residual) in x's dtype."""
+    if w.hadamard:
+        if x.dtype == torch.bfloat16 and w8a8_available():
+            return cpu_kernels().quant_linear_w8a8(x.contiguous(), w.qweight, w.scales, w.hadamard,
+                                                   None if residual is None else residual.contiguous())
+        x = turn(x, w.hadamard).to(x.dtype)  # any other path meets the turned weights in their basis
     if path == "torch":
         y = F.linear(x, w.dequantize().to(x.dtype))
     elif x.shape[0] >= (few_rows_limit(x.dtype) if dequant_min_rows is None else dequant_min_rows):
@@ -130,7 +161,10 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight.rows(ids).dequantize().to(self.dtype)
+        rows = self.qweight.rows(ids).dequantize()
+        if self.qweight.hadamard:  # a head tied to it runs W8A8: turned back (H.H = I)
+            rows = turn(rows, self.qweight.hadamard)
+        return rows.to(self.dtype)
 
     def _apply(self, fn, recurse: bool = True):
         self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype  # follows model.to(dtype)

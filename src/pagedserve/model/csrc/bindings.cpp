@@ -23,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_amx", &quant_linear_amx, "bf16 x @ W^T (+ residual) over planar weights on AMX tiles",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),
         py::arg("residual") = py::none());
+  m.def("quant_w8a8_available", &quant_w8a8_available, "whether this build and process can run AMX int8 tiles");
+  m.def("quant_linear_w8a8", &quant_linear_w8a8,
+        "bf16 x @ W^T (+ residual) over per-channel int8 weights, x turned and quantized per token (AMX int8 tiles)",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("hadamard"), py::arg("residual") = py::none());
   m.def("quant_dequantize", &quant_dequantize, "planar int8/int4 weights as a float matrix");
   m.def("lora_sgmv", &lora_sgmv, "y[rows] += x[rows] @ A^T @ B of each row's adapter slot (batched LoRA)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "mask fp32 logits rows in place by packed grammar bitmasks");

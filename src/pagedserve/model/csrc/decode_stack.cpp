@@ -15,7 +15,7 @@ namespace {
 struct QuantLinear {
   torch::Tensor qweight, scales;
   c10::optional<torch::Tensor> mins;
-  int64_t bits, group;
+  int64_t bits, group, hadamard;  // hadamard > 0: int8 weights in that basis, run W8A8 (quant_gemm_w8a8.cpp)
 };
 
 struct Layer {
@@ -33,14 +33,15 @@ class DecodeStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         path_(path), amx_min_rows_(amx_min_rows) {}
 
-  // One layer's norms and its four linears (qkv, o, gate_up, down), each as (qweight, scales, mins, bits, group).
+  // One layer's norms and its four linears (qkv, o, gate_up, down), each as (qweight, scales, mins, bits, group,
+  // hadamard).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, std::vector<torch::Tensor> qweights,
                  std::vector<torch::Tensor> scales, std::vector<c10::optional<torch::Tensor>> mins,
-                 std::vector<int64_t> bits, std::vector<int64_t> groups) {
+                 std::vector<int64_t> bits, std::vector<int64_t> groups, std::vector<int64_t> hadamards) {
     TORCH_CHECK(qweights.size() == 4 && scales.size() == 4 && mins.size() == 4 && bits.size() == 4 &&
-                groups.size() == 4, "a layer has four linears: qkv, o, gate_up, down");
+                groups.size() == 4 && hadamards.size() == 4, "a layer has four linears: qkv, o, gate_up, down");
     QuantLinear l[4];
-    for (int i = 0; i < 4; ++i) l[i] = {qweights[i], scales[i], mins[i], bits[i], groups[i]};
+    for (int i = 0; i < 4; ++i) l[i] = {qweights[i], scales[i], mins[i], bits[i], groups[i], hadamards[i]};
     layers_.push_back({input_norm, post_norm, l[0], l[1], l[2], l[3]});
   }
 
@@ -89,6 +90,7 @@ class DecodeStack {
  private:
   torch::Tensor linear(const torch::Tensor& x, const QuantLinear& w, c10::optional<torch::Tensor> residual) const {
     const torch::Tensor xc = x.contiguous();
+    if (w.hadamard) return quant_linear_w8a8(xc, w.qweight, w.scales, w.hadamard, residual);
     if (xc.size(0) >= amx_min_rows_) return quant_linear_amx(xc, w.qweight, w.scales, w.mins, w.bits, w.group, residual);
     return quant_linear(xc, w.qweight, w.scales, w.mins, w.bits, w.group, path_, residual);
   }

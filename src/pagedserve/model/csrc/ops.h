@@ -31,6 +31,9 @@ bool quant_amx_available();
 torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                c10::optional<torch::Tensor> mins, int64_t bits, int64_t group,
                                c10::optional<torch::Tensor> residual);
+bool quant_w8a8_available();
+torch::Tensor quant_linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t hadamard,
+                                c10::optional<torch::Tensor> residual);
 
 bool prefill_attention_available();
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -172,6 +172,7 @@ struct HeadView {
   const uint8_t* k_codes;
   const uint8_t* v_codes;
   int64_t row_bytes;     // between consecutive slots
+  int64_t head_bytes;    // from a slot's first byte to this head's row
   int64_t scale_stride;  // int8: between consecutive slots' scales
 };
 
@@ -206,8 +207,16 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
     const int64_t n = std::min<int64_t>(16, len - t0);
     const int64_t base = whole ? slot(t0) : 0;
     if (whole && t0 + 16 < len) {  // blocks are scattered in the pool: fetch the next one while this one computes
-      const int64_t next = slot(t0 + 16);
-      for (int64_t j = 0; j < std::min<int64_t>(16, len - t0 - 16); ++j)
+      const int64_t next = slot(t0 + 16), rows = std::min<int64_t>(16, len - t0 - 16);
+      if (hv.head_bytes == 0) {
+        const char* k0 = reinterpret_cast<const char*>(hv.k + next * hv.row_bytes);
+        const char* v0 = reinterpret_cast<const char*>(hv.v + next * hv.row_bytes);
+        for (int64_t o = 0; o < rows * hv.row_bytes; o += 64) {
+          _mm_prefetch(k0 + o, _MM_HINT_T1);
+          _mm_prefetch(v0 + o, _MM_HINT_T1);
+        }
+      }
+      for (int64_t j = 0; j < rows; ++j)
         for (int64_t c = 0; c < D * kElem; c += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(hv.k + (next + j) * hv.row_bytes) + c, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(hv.v + (next + j) * hv.row_bytes) + c, _MM_HINT_T0);
@@ -303,14 +312,14 @@ static inline KVKind bf16_view_kind(const QuantRowReader& r) { return r.kind; }
 static inline HeadView head_view(const PlainRowReader<at::BFloat16>& k, const PlainRowReader<at::BFloat16>& v,
                                  int64_t kvh, int64_t d) {
   return {reinterpret_cast<const uint8_t*>(k.cache + kvh * d), reinterpret_cast<const uint8_t*>(v.cache + kvh * d),
-          nullptr, nullptr, nullptr, nullptr, k.num_kv_heads * d * 2, 0};
+          nullptr, nullptr, nullptr, nullptr, k.num_kv_heads * d * 2, kvh * d * 2, 0};
 }
 
 static inline HeadView head_view(const QuantRowReader& k, const QuantRowReader& v, int64_t kvh, int64_t d) {
   const bool per_token = k.kind == KVKind::kInt8;
   return {k.codes + kvh * d, v.codes + kvh * d, per_token ? nullptr : k.scales + kvh,
           per_token ? nullptr : v.scales + kvh, per_token ? k.row_scales + kvh : nullptr,
-          per_token ? v.row_scales + kvh : nullptr, k.num_kv_heads * d, per_token ? k.num_kv_heads : 0};
+          per_token ? v.row_scales + kvh : nullptr, k.num_kv_heads * d, kvh * d, per_token ? k.num_kv_heads : 0};
 }
 #endif
 

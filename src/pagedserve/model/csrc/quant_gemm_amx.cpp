@@ -16,50 +16,21 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define PAGEDSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx_tiles.h"
 #include "quant_params.h"
 
 namespace {
 
 #ifdef PAGEDSERVE_AMX
+using pagedserve_amx::amx_permitted;
+using pagedserve_amx::configure_tiles;
+using pagedserve_amx::store_block;
+using pagedserve_amx::transpose16;
+
 constexpr int64_t kBlock = 32;     // k per tile step and per quantization block
 constexpr int64_t kPanelRows = 32;  // weight rows per panel: two A tiles of 16 rows
 constexpr int64_t kTileBytes = 1024;
 constexpr int64_t kChunk = 256;     // k per L1-resident chunk of the panel
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the AMX tile state only on request, per process.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// Tiles 0-3: C (16 x 16 fp32) for rows 0-15 / 16-31 by columns 0-15 / 16-31; 4-5: A (16 rows x 32 bf16);
-// 6-7: B (16 k pairs x 16 columns): every tile is 16 rows of 64 bytes.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // One 32-block of a weight row as 32 bf16 in k order. 4 bits: the 16 possible values of the block, computed
 // in fp32 and rounded once, are a table that vpermw indexes with the nibbles.
@@ -77,31 +48,6 @@ inline __m512i dequantize_block(const uint8_t* w, int64_t bits, float scale_lo, 
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_set1_ps(scale_hi)),
                                                        _mm512_mul_ps(lo, _mm512_set1_ps(scale_lo))));
-}
-
-// 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i].
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + c], 128-bit lane L: column 4L + c of rows i..i+3
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x_even = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i x_odd = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512i y_even = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i y_odd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    r[c] = _mm512_shuffle_i32x4(x_even, y_even, _MM_SHUFFLE(2, 0, 2, 0));
-    r[8 + c] = _mm512_shuffle_i32x4(x_even, y_even, _MM_SHUFFLE(3, 1, 3, 1));
-    r[4 + c] = _mm512_shuffle_i32x4(x_odd, y_odd, _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + c] = _mm512_shuffle_i32x4(x_odd, y_odd, _MM_SHUFFLE(3, 1, 3, 1));
-  }
 }
 
 // x [m_pad, K] bf16 as B tiles: for each k-block and 16 rows, 16 k pairs x 16 rows (VNNI order).
@@ -192,33 +138,6 @@ class PanelPipe {
   const char* prefetch_end_ = nullptr;
   std::vector<float> params_;  // a row's scales and mins widened to fp32 (fp16 storage)
 };
-
-// c[weight row][activation row] (32 x 32) into y rows (+ residual), bf16: transposed in registers 16 x 16
-// at a time, 32 outputs of a row converted and stored at once.
-void store_block(const float (*c)[32], int64_t rows, int64_t cols, uint16_t* y, const uint16_t* residual,
-                 int64_t ld) {
-  const __mmask32 keep = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
-  for (int64_t mh = 0; mh < 2 && mh * 16 < rows; ++mh) {
-    __m512i lo[16], hi[16];  // weight rows 0-15 and 16-31
-    for (int i = 0; i < 16; ++i) {
-      lo[i] = _mm512_castps_si512(_mm512_load_ps(&c[i][mh * 16]));
-      hi[i] = _mm512_castps_si512(_mm512_load_ps(&c[16 + i][mh * 16]));
-    }
-    transpose16(lo);
-    transpose16(hi);
-    for (int64_t i = 0; i < 16 && mh * 16 + i < rows; ++i) {
-      const int64_t at = (mh * 16 + i) * ld;
-      __m512 a = _mm512_castsi512_ps(lo[i]), b = _mm512_castsi512_ps(hi[i]);
-      if (residual) {
-        const __m512i r = _mm512_maskz_loadu_epi16(keep, residual + at);
-        a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(r)), 16)));
-        b = _mm512_add_ps(b, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r, 1)), 16)));
-      }
-      _mm512_mask_storeu_epi16(y + at, keep, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
-    }
-  }
-}
 
 #endif
 
