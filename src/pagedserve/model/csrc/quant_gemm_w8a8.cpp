@@ -26,6 +26,7 @@ namespace {
 #ifdef PAGEDSERVE_W8A8
 using pagedserve_amx::configure_tiles;
 using pagedserve_amx::store_block;
+using pagedserve_amx::transpose16;
 
 constexpr int64_t kK = 64;        // k per tile step, and the Hadamard transform's width
 constexpr int64_t kRows = 32;     // weight rows per panel: 2 x 16-row A tiles
@@ -79,12 +80,14 @@ float quantize_token(const uint16_t* x, int64_t k, bool turn, float* buf, int8_t
   return top / 127.f;
 }
 
-// Row r's k quads into its B tile column: tiles of [16 quads][16 rows][4 bytes] per (16 rows, 64 k), VNNI order.
-void pack_row(const int8_t* row, int64_t r, int64_t k_steps, int8_t* out) {
-  const int32_t* quads = reinterpret_cast<const int32_t*>(row);
-  for (int64_t s = 0; s < k_steps; ++s) {
-    int32_t* tile = reinterpret_cast<int32_t*>(out + ((r / 16) * k_steps + s) * 1024);
-    for (int64_t j = 0; j < 16; ++j) tile[j * 16 + r % 16] = quads[s * 16 + j];
+// 16 quantized rows (q: [16][K]) into their B tiles, [16 quads][16 rows][4 bytes] per 64 k (VNNI order): each
+// 16 x 16 block of quads transposed in registers.
+void pack_rows(const int8_t* q, int64_t k, int8_t* tiles) {
+  for (int64_t s = 0; s < k / kK; ++s) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(q + i * k + s * kK);
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(tiles + s * 1024 + j * 64, r[j]);
   }
 }
 #endif
@@ -124,16 +127,19 @@ torch::Tensor quant_linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::T
   const torch::Tensor packed_storage = torch::empty({m_pad * k + 64}, x.options().dtype(torch::kChar));
   int8_t* packed = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(packed_storage.data_ptr()) + 63) & ~uintptr_t(63));
   std::vector<float> token_scale(m_pad, 0.f);
-  at::parallel_for(0, m_pad, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m_pad / 16, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(k);
-    std::vector<int8_t> q(k);
-    for (int64_t r = begin; r < end; ++r) {
-      if (r < m) {
-        token_scale[r] = quantize_token(xp + r * k, k, hadamard != 0, buf.data(), q.data());
-      } else {
-        std::fill(q.begin(), q.end(), 0);
+    std::vector<int8_t> q(16 * k);
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = g * 16 + i;
+        if (r < m) {
+          token_scale[r] = quantize_token(xp + r * k, k, hadamard != 0, buf.data(), q.data() + i * k);
+        } else {
+          std::fill(q.begin() + i * k, q.begin() + (i + 1) * k, 0);
+        }
       }
-      pack_row(q.data(), r, k_steps, packed);
+      pack_rows(q.data(), k, packed + g * k_steps * 1024);
     }
   });
   const int8_t* wq = reinterpret_cast<const int8_t*>(qweight.data_ptr());
@@ -184,15 +190,24 @@ torch::Tensor quant_linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::T
           _tile_zero(3);
           const int8_t* x0 = packed + 2 * mb * k_steps * 1024;
           const int8_t* x1 = x0 + k_steps * 1024;
+          // Each operand is loaded for the next step as soon as this step's last use of its tile is issued, so
+          // the loads overlap the multiplies that remain instead of waiting between steps.
+          _tile_loadd(4, panel, k);
+          _tile_loadd(5, panel + 16 * k, k);
+          _tile_loadd(6, x0, 64);
+          _tile_loadd(7, x1, 64);
           for (int64_t s = 0; s < k_steps; ++s) {
-            _tile_loadd(4, panel + s * kK, k);
-            _tile_loadd(5, panel + 16 * k + s * kK, k);
-            _tile_loadd(6, x0 + s * 1024, 64);
-            _tile_loadd(7, x1 + s * 1024, 64);
+            const bool more = s + 1 < k_steps;
             _tile_dpbssd(0, 4, 6);
-            _tile_dpbssd(1, 4, 7);
             _tile_dpbssd(2, 5, 6);
+            if (more) _tile_loadd(6, x0 + (s + 1) * 1024, 64);
+            _tile_dpbssd(1, 4, 7);
+            if (more) _tile_loadd(4, panel + (s + 1) * kK, k);
             _tile_dpbssd(3, 5, 7);
+            if (more) {
+              _tile_loadd(5, panel + 16 * k + (s + 1) * kK, k);
+              _tile_loadd(7, x1 + (s + 1) * 1024, 64);
+            }
             if (mb * kMBlock == m0)
               for (int64_t r = 0; r < next_rows; ++r) _mm_prefetch(next + r * k + s * kK, _MM_HINT_T1);
           }
