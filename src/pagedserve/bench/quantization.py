@@ -148,7 +148,7 @@ def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
         ms = statistics.median(singles[m])
         same, n, first = agreement(outputs[m], outputs[modes[0]])
         ratios = "".join(f"{spread(tps[name][m], '{:.0f}')} | "
-                         f"{statistics.median(tps[name][m]) / statistics.median(tps[name][modes[0]]):.2f}x | "
+                         f"{spread([a / b for a, b in zip(tps[name][m], tps[name][modes[0]], strict=True)], '{:.2f}x')} | "
                          for name in names)
         lines.append(f"| {m} | {str(eng.dtype).removeprefix('torch.')} | {eng.weight_bytes / 1e6:.0f} | "
                      f"{spread(singles[m])} | {spread(ttfts[m], '{:.0f}')} | {eng.weight_bytes / ms / 1e6:.1f} | "
@@ -161,11 +161,14 @@ def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
               "GB/s: resident weight bytes / ms per token (a single stream reads every weight each token; the "
               "KV cache and activations are not counted)."),
               (f"- Threads: {args.threads} for every system. Figures: median (min-max over the rounds); the modes' "
-              "order reverses every round."),
+              f"order reverses every round. vs {modes[0]}: the ratio within each round (a shared machine's speed "
+              "drifts between rounds), median (min-max) over the rounds."),
               (f"- Kernels (integer path for calls under {few_rows_limit(torch.bfloat16)} rows + large-M path): "
               f"{kernels}. The integer path quantizes activations per 32 to int16; `amx` multiplies bf16 tiles over "
               "weights dequantized 32 rows at a time (calls up to 512 rows; prefill chunks beyond that take "
-              "`dequant`); `dequant` dequantizes whole matrices into a float GEMM. Quantized modes run pure decode "
+              "`dequant`); `dequant` dequantizes whole matrices into a float GEMM; `w8a8-amx` (int8 where the CPU "
+              "has AMX int8 tiles) runs every call on int8 tiles, weights per channel and tokens per token in a "
+              "Hadamard basis over each 64 channels (csrc/quant_gemm_w8a8.cpp). Quantized modes run pure decode "
               "steps on the decode stack (all layers in one C++ call, model/decode_stack.py); `none` on the Python "
               "layers over oneDNN's packed bf16 linears.")]
     return "\n".join(lines)
