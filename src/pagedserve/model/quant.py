@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.model.kv_cache_dtype import hadamard
+from pagedserve.model.kv_cache_dtype import hadamard as hadamard_transform
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")  # auto: quant_linear.resolve_quantization
 GGUF_BLOCK = 32
@@ -147,7 +147,7 @@ def _planar_4bit(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, source: st
 def turn(x: torch.Tensor, width: int) -> torch.Tensor:
     """x times the block-diagonal Hadamard matrix of `width` over its last dim (a multiple of width), in fp32."""
     k = x.shape[-1]
-    return hadamard(x.float().reshape(-1, k // width, width)).reshape(x.shape)
+    return hadamard_transform(x.float().reshape(-1, k // width, width)).reshape(x.shape)
 
 
 def quantize(w: torch.Tensor, mode: str, group: int = 32, hadamard: int = 0) -> QuantizedWeight:
