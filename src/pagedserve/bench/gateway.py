@@ -349,7 +349,7 @@ def render(args, lines_overhead, scale, replay_rows, load: tuple[float, float]) 
 
 
 # `pagedserve bench all --quick`: every part of this benchmark, at a scale of seconds.
-QUICK = ["--requests", "10", "--entries", "2000", "--queries", "50", "--stream", "120", "--questions", "20", "--bump-every", "60"]
+QUICK = ["--requests", "10", "--entries", "500", "--queries", "50", "--stream", "60", "--questions", "20", "--bump-every", "30"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

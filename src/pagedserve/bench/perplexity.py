@@ -92,7 +92,7 @@ def score(settings: dict, chunks: list[list[int]]) -> Scored:
     return Scored(logprobs, top1, seconds)
 
 
-QUICK = ["--tokens", "600", "--window", "300", "--kv-windows", "100,300"]
+QUICK = ["--tokens", "600", "--window", "300", "--kv-windows", "300"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
