@@ -3,14 +3,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "kv_quant.h"
+#include "vec_math.h"
 
 static inline float bf16_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -104,18 +103,8 @@ static void hadamard_rows(uint16_t* row, int64_t heads, int64_t d, float* x) {
     for (int64_t i = 0; i < d; ++i) x[i] = bf16_to_float(r[i]);
     int64_t h = 1;
 #if defined(__AVX512F__)
-    if (d % 16 == 0) {  // the four butterfly stages inside each 16 lanes: partner lane i ^ h, sign by bit h of i
-      const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-      for (int64_t c = 0; c < d; c += 16) {
-        __m512 v = _mm512_loadu_ps(x + c);
-        for (int stage = 1; stage < 16; stage <<= 1) {
-          const __m512i bit = _mm512_set1_epi32(stage);
-          const __m512 partner = _mm512_permutexvar_ps(_mm512_xor_si512(lane, bit), v);
-          const __mmask16 upper = _mm512_test_epi32_mask(lane, bit);
-          v = _mm512_mask_sub_ps(_mm512_add_ps(partner, v), upper, partner, v);
-        }
-        _mm512_storeu_ps(x + c, v);
-      }
+    if (d % 16 == 0) {  // the four butterfly stages inside each 16 lanes
+      for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(x + c, hadamard16(_mm512_loadu_ps(x + c)));
       h = 16;
     }
 #endif

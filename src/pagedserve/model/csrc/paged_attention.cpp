@@ -103,10 +103,6 @@ static void attend_one(const scalar_t* q, const Reader& k_cache, const Reader& v
 #include "vec_math.h"
 #define PAGEDSERVE_BF16_DECODE 1
 
-static inline __m512 bf16_to_f32(const uint16_t* src) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
-}
-
 // fp8 e4m3 codes (16-bit lanes) as bf16 bits: the exponent rebiased (7 -> 127), the 3 mantissa bits on top of
 // bf16's 7. Exact for normal values; the subnormal codes (below 2^-6 of the scale) become 0.
 static inline __m512i e4m3_to_bf16_bits(__m512i x) {
@@ -172,7 +168,7 @@ struct HeadView {
   const uint8_t* k_codes;
   const uint8_t* v_codes;
   int64_t row_bytes;     // between consecutive slots
-  int64_t head_bytes;    // from a slot's first byte to this head's row
+  bool first_head;       // a sequence's first KV head: it pulls the whole rows (every head's) toward L2
   int64_t scale_stride;  // int8: between consecutive slots' scales
 };
 
@@ -208,7 +204,7 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
     const int64_t base = whole ? slot(t0) : 0;
     if (whole && t0 + 16 < len) {  // blocks are scattered in the pool: fetch the next one while this one computes
       const int64_t next = slot(t0 + 16), rows = std::min<int64_t>(16, len - t0 - 16);
-      if (hv.head_bytes == 0) {
+      if (hv.first_head) {
         const char* k0 = reinterpret_cast<const char*>(hv.k + next * hv.row_bytes);
         const char* v0 = reinterpret_cast<const char*>(hv.v + next * hv.row_bytes);
         for (int64_t o = 0; o < rows * hv.row_bytes; o += 64) {
@@ -312,14 +308,14 @@ static inline KVKind bf16_view_kind(const QuantRowReader& r) { return r.kind; }
 static inline HeadView head_view(const PlainRowReader<at::BFloat16>& k, const PlainRowReader<at::BFloat16>& v,
                                  int64_t kvh, int64_t d) {
   return {reinterpret_cast<const uint8_t*>(k.cache + kvh * d), reinterpret_cast<const uint8_t*>(v.cache + kvh * d),
-          nullptr, nullptr, nullptr, nullptr, k.num_kv_heads * d * 2, kvh * d * 2, 0};
+          nullptr, nullptr, nullptr, nullptr, k.num_kv_heads * d * 2, kvh == 0, 0};
 }
 
 static inline HeadView head_view(const QuantRowReader& k, const QuantRowReader& v, int64_t kvh, int64_t d) {
   const bool per_token = k.kind == KVKind::kInt8;
   return {k.codes + kvh * d, v.codes + kvh * d, per_token ? nullptr : k.scales + kvh,
           per_token ? nullptr : v.scales + kvh, per_token ? k.row_scales + kvh : nullptr,
-          per_token ? v.row_scales + kvh : nullptr, k.num_kv_heads * d, kvh * d, per_token ? k.num_kv_heads : 0};
+          per_token ? v.row_scales + kvh : nullptr, k.num_kv_heads * d, kvh == 0, per_token ? k.num_kv_heads : 0};
 }
 #endif
 

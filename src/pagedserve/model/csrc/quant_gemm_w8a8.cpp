@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "vec_math.h"
 
 #if defined(PAGEDSERVE_AMX) && defined(__AMX_INT8__)
 #define PAGEDSERVE_W8A8 1
@@ -33,20 +34,9 @@ constexpr int64_t kRows = 32;     // weight rows per panel: 2 x 16-row A tiles
 constexpr int64_t kMBlock = 32;   // activation rows per pass: 2 x 16-row B tiles
 constexpr int64_t kMSuper = 256;  // activation rows whose packed tiles stay in L2 while every panel passes
 
-inline __m512 bf16x16(const uint16_t* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-
 // 64 values in 4 registers times Sylvester's orthonormal Hadamard matrix (the transform quant.py's turn() does).
 inline void hadamard64(__m512 v[4]) {
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int r = 0; r < 4; ++r) {  // butterflies inside 16 lanes: partner i ^ h, difference where bit h of i is set
-    for (int h = 1; h < 16; h <<= 1) {
-      const __m512i bit = _mm512_set1_epi32(h);
-      const __m512 partner = _mm512_permutexvar_ps(_mm512_xor_si512(lane, bit), v[r]);
-      v[r] = _mm512_mask_sub_ps(_mm512_add_ps(partner, v[r]), _mm512_test_epi32_mask(lane, bit), partner, v[r]);
-    }
-  }
+  for (int r = 0; r < 4; ++r) v[r] = hadamard16(v[r]);
   const __m512 norm = _mm512_set1_ps(0.125f);  // 1 / sqrt(64)
   const __m512 a = _mm512_add_ps(v[0], v[1]), b = _mm512_sub_ps(v[0], v[1]);
   const __m512 c = _mm512_add_ps(v[2], v[3]), d = _mm512_sub_ps(v[2], v[3]);
@@ -62,7 +52,7 @@ float quantize_token(const uint16_t* x, int64_t k, bool turn, float* buf, int8_t
   __m512 amax = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += kK) {
     __m512 v[4];
-    for (int r = 0; r < 4; ++r) v[r] = bf16x16(x + i + 16 * r);
+    for (int r = 0; r < 4; ++r) v[r] = bf16_to_f32(x + i + 16 * r);
     if (turn) hadamard64(v);
     for (int r = 0; r < 4; ++r) {
       _mm512_storeu_ps(buf + i + 16 * r, v[r]);

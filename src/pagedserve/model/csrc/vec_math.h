@@ -4,6 +4,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 // Masked scores and the initial running max of an online softmax: finite, since -ffast-math assumes no
 // infinities. exp(kNegative - x) underflows to 0, so a first chunk's correction factor is exactly 0.
 constexpr float kNegative = -1e30f;
@@ -22,5 +24,22 @@ static inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// 16 bf16 values widened to fp32 (a shift: bf16 is fp32's top half).
+static inline __m512 bf16_to_f32(const uint16_t* src) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
+}
+
+// The first four butterfly stages of Sylvester's Hadamard transform (unnormalized), inside the 16 lanes: lane i
+// meets lane i ^ h and keeps the difference where bit h of i is set.
+static inline __m512 hadamard16(__m512 v) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int h = 1; h < 16; h <<= 1) {
+    const __m512i bit = _mm512_set1_epi32(h);
+    const __m512 partner = _mm512_permutexvar_ps(_mm512_xor_si512(lane, bit), v);
+    v = _mm512_mask_sub_ps(_mm512_add_ps(partner, v), _mm512_test_epi32_mask(lane, bit), partner, v);
+  }
+  return v;
 }
 #endif
