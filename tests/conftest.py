@@ -1,8 +1,16 @@
 """Shared fixtures: the reference model from transformers (fp32, the same GGUF) and prompts."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+from pagedserve.server.peer_auth import SECRET_ENV, PeerKey
+
+# The test session is one cluster: every server and router it starts (subprocesses inherit the environment)
+# shares this secret, as `cluster up` hands its own to its replicas and router. tests/peer_support.py signs.
+os.environ[SECRET_ENV] = PeerKey.generate().hex()
 
 # Eight prompts of quite different lengths; the chat ones share the template's system prompt.
 QUESTIONS = [

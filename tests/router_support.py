@@ -222,10 +222,14 @@ class StandInReplica:
     misbehave: a real `pagedserve serve` cannot be made to answer 500 (or 429, or drop a connection
     after its headers) on demand, and the router's answer to exactly that is what these tests check.
     `fault` applies to every proxied request: "500", "429", "503", "drop" or "stall" (no answer until the
-    caller gives up); a body containing POISON is answered 500 always (a replica crashing on one bad
-    request). `health_ok=False` fails /health."""
+    caller gives up); a body containing POISON is answered 500 always (a replica failing one bad request), one
+    containing CRASH is answered 500 and its connection then closed, as uvicorn closes it after an unhandled
+    exception (the close comes a moment later, so a request sent on the same connection meanwhile is lost, as
+    under load). `health_ok=False` fails /health."""
 
     POISON = b"POISON"
+    CRASH = b"CRASH"
+    CRASH_CLOSE_S = 0.3  # how long a crashing request's handling takes after its 500 is out
 
     def __init__(self, target_url: str) -> None:
         import uvicorn
@@ -255,7 +259,8 @@ class StandInReplica:
             self.health_probes += 1
             if not self.health_ok:
                 return await _send(send, 503, b'{"status": "failing"}')
-        fault = "500" if self.POISON in body else self.fault if scope["method"] == "POST" else None
+        fault = "500" if self.POISON in body else "crash" if self.CRASH in body else \
+            self.fault if scope["method"] == "POST" else None
         if fault:
             self.seen[fault] = self.seen.get(fault, 0) + 1
         if fault == "stall":  # the next message is the caller's disconnect
@@ -266,6 +271,10 @@ class StandInReplica:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]})
             raise ConnectionAbortedError("stand-in dropped the connection")
+        if fault == "crash":  # what uvicorn does after an exception escaped the app: the 500, then the close
+            await _send(send, 500, b'{"error": {"message": "stand-in crashed", "type": "server_error"}}')
+            await asyncio.sleep(self.CRASH_CLOSE_S)
+            raise RuntimeError("stand-in crashed on this request")
         if fault:
             error = {"error": {"message": f"stand-in fault {fault}", "type": "server_error", "param": None,
                                "code": None}}

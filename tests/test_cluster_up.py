@@ -12,12 +12,16 @@ from router_support import completions_served, metric_sum, wait_for
 
 from pagedserve.cluster.launcher import free_port
 from pagedserve.cluster.ray_launcher import SINGLE_MACHINE_ENV
+from pagedserve.server.peer_auth import SECRET_ENV
+from tests.peer_support import Listener, hostile_params, lease_target, peer_call, peer_post
 
 ENGINE_ARGS = ["--kv-cache-memory", "32MiB", "--max-num-seqs", "4", "--max-model-len", "512"]
 SERVE_ARGS = "--embedding-model none --disable-access-log"
 
 
 def run_cluster(tmp_path, backend_args: list[str], startup: float, check=None, serve_args: str = SERVE_ARGS):
+    """check(url, replicas) runs against the cluster; with backend_args naming no --cluster-secret-file, the
+    cluster's secret is its own (the test cannot sign: a client's view)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "cluster.log", "wb")  # noqa: SIM115 - closed after the process ends
@@ -93,7 +97,7 @@ def check_disaggregated_on_ray(url: str, replicas: list[dict]) -> None:
     released or expired."""
     by_role = {r["kv_role"]: r["url"] for r in replicas}
     prefill, decode = by_role["prefill"], by_role["decode"]
-    infos = [httpx.get(u + "/v1/kv/info", timeout=10).json() for u in (prefill, decode)]
+    infos = [peer_call("GET", u, "/internal/v1/kv/info").json() for u in (prefill, decode)]
     cluster = infos[0]["ray_cluster"]
     assert cluster and cluster == infos[1]["ray_cluster"] and cluster.startswith("127.0.0.1:")
     assert all(u.startswith("http://127.0.0.1:") for u in (prefill, decode))
@@ -111,16 +115,16 @@ def check_disaggregated_on_ray(url: str, replicas: list[dict]) -> None:
 
     # A lease's object: readable by any driver of the cluster while the lease lives, gone once it is released...
     for release in (True, False):
-        handle = httpx.post(prefill + "/v1/completions", timeout=120, json={
+        handle = peer_post(prefill, "/internal/v1/completions", {
             "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
-        lease = f"{prefill}/v1/kv/leases/{handle['kv_transfer_params']['lease_id']}"
-        obj = httpx.get(lease, params={"via": "ray"}, timeout=60).json()
+        lease_id = handle["kv_transfer_params"]["lease_id"]
+        obj = peer_call("GET", prefill, lease_target(lease_id, via="ray")).json()
         assert obj["cluster"] == cluster and in_store(cluster, obj["object_ref"]) == f"ok {obj['bytes']}"
         if release:
-            assert httpx.delete(lease, timeout=10).status_code == 200
+            assert peer_call("DELETE", prefill, lease_target(lease_id)).status_code == 200
         else:  # ... or once it expires unclaimed (--kv-lease-s 5)
             wait_for(lambda: metric_sum(prefill, "pagedserve_kv_transfer_leased_blocks") == 0, 30, "lease expiry")
-            assert httpx.get(lease, timeout=10).status_code == 404
+            assert peer_call("GET", prefill, lease_target(lease_id)).status_code == 404
         # Ray frees it once every borrower (the probe above, a process that has exited) has let go: soon after
         ref = obj["object_ref"]
         wait_for(lambda ref=ref: in_store(cluster, ref).startswith("gone"), 60, "the object to be freed")
@@ -133,6 +137,44 @@ def test_cluster_up_local(tmp_path):
 
 @pytest.mark.slow
 def test_cluster_up_ray_disaggregated(tmp_path):
+    secret = tmp_path / "secret"  # the session's (conftest.py), so that the checks can sign as peers
+    secret.write_text(os.environ[SECRET_ENV])
     run_cluster(tmp_path, ["--backend", "ray", "--prefill", "1", "--decode", "1", "--replica-cpus", "0.5",
-                           "--dtype", "float32"], startup=240, check=check_disaggregated_on_ray,
-                serve_args=SERVE_ARGS + " --kv-lease-s 5 --kv-transport ray")
+                           "--dtype", "float32", "--cluster-secret-file", str(secret)], startup=240,
+                check=check_disaggregated_on_ray, serve_args=SERVE_ARGS + " --kv-lease-s 5 --kv-transport ray")
+
+
+def check_hostile_client(url: str, replicas: list[dict]) -> None:
+    """A client of a disaggregated `cluster up` that knows every replica's address but not the cluster's secret:
+    its poisoning and SSRF attempts reach no URL it chose, plant nothing in a prefix cache, and leave the
+    replicas in rotation."""
+    listener = Listener()
+    try:
+        prompt = "The decode worker's prefix cache is shared by every client that sends this prompt. " * 8  # > 256
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+        expected = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        for params in hostile_params(listener):
+            through_router = httpx.post(url + "/v1/completions", json={**body, "kv_transfer_params": params},
+                                        timeout=120)
+            assert through_router.status_code == 200 and through_router.json()["choices"][0]["text"] == expected
+            for replica in replicas:
+                public = httpx.post(replica["url"] + "/v1/completions", json={**body, "kv_transfer_params": params},
+                                    timeout=60)
+                assert public.status_code == 400, public.text
+                internal = httpx.post(replica["url"] + "/internal/v1/completions", timeout=60,
+                                      json={**body, "kv_transfer_params": params})
+                assert internal.status_code == 403, internal.text
+                for method, target in (("GET", lease_target("0" * 32, via="shm")), ("DELETE", lease_target("0" * 32)),
+                                       ("GET", "/internal/v1/kv/info")):
+                    assert httpx.request(method, replica["url"] + target, timeout=10).status_code == 403
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == expected
+        assert listener.connections == 0
+        assert all(r["healthy"] for r in httpx.get(url + "/health", timeout=5).json()["replicas"])
+    finally:
+        listener.close()
+
+
+@pytest.mark.slow
+def test_cluster_up_disaggregated_against_a_hostile_client(tmp_path):
+    run_cluster(tmp_path, ["--prefill", "1", "--decode", "1", "--dtype", "float32"], startup=240,
+                check=check_hostile_client)

@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode with real processes: a prefill worker, decode workers and a router, against
 a single `pagedserve serve` as the reference (fp32 greedy: token-identical). Failures (forged, expired or
 unreachable handles, mismatched workers, a dead prefill worker) end in a recomputed answer or a clear error,
-and the block counts on both sides return to their baseline."""
+and the block counts on both sides return to their baseline. The halves go to the workers' peer routes, signed
+with the session's cluster secret (tests/peer_support.py), as the router sends them."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -19,6 +20,7 @@ from router_support import RouterProcess, metric_sum, wait_for
 
 from pagedserve.cluster.launcher import free_port
 from tests.lora_support import make_adapters
+from tests.peer_support import key, lease_target, peer_call, peer_post
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +34,8 @@ CHAT = [{"role": "user", "content": "Explain how a paged KV cache works, in deta
 def workers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disagg")
     lora = ["--enable-lora", "--max-lora-rank", "16"]
-    reference, ref_url = pagedserve_server("reference", tmp, ["--kv-transport", "tcp", *lora])  # decodes over TCP
+    # Plain requests, and the decode half of a handle over TCP
+    reference, ref_url = pagedserve_server("reference", tmp, ["--kv-role", "both", "--kv-transport", "tcp", *lora])
     prefill, prefill_url = pagedserve_server("prefill", tmp, ["--kv-role", "prefill", "--kv-lease-s", "4", *lora])
     decode, decode_url = pagedserve_server("decode", tmp, ["--kv-role", "decode", *lora])
     strict, strict_url = pagedserve_server("decode-strict", tmp, ["--kv-role", "decode", "--kv-load-failure", "fail",
@@ -49,8 +52,12 @@ def workers(tmp_path_factory):
 
 
 def complete(url: str, prompt: str, **extra) -> dict:
+    """A plain request; with kv_transfer_params, a disaggregated half, as the router sends it (signed)."""
     body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, **extra}
-    response = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    if "kv_transfer_params" in body:
+        response = peer_post(url, "/internal/v1/completions", body)
+    else:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -118,8 +125,7 @@ def handle(workers, prompt: str) -> dict:
 
 
 def load_adapter(url: str, name: str, folder) -> None:
-    httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)},
-               timeout=60).raise_for_status()
+    peer_post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}).raise_for_status()
 
 
 def test_lora_requests_move_their_blocks_under_the_adapters_weights(workers, hf_model, tmp_path):
@@ -168,13 +174,20 @@ def test_lora_requests_move_their_blocks_under_the_adapters_weights(workers, hf_
     wait_for(lambda: idle(workers["decode"]) and idle(workers["prefill"]), 15, "both workers to hold no block")
 
 
+def released(workers, params: dict) -> dict:
+    assert peer_call("DELETE", workers["prefill"], lease_target(params["lease_id"])).status_code == 200
+    return params
+
+
 def test_failed_pulls_are_recomputed_or_refused_and_leave_no_block_held(workers):
     decode = workers["decode"]
-    spoil = {"lease_gone": {"lease_id": "forged"}, "token_mismatch": {"tokens_sha": "0" * 32},
-             "unreachable": {"remote_url": f"http://127.0.0.1:{free_port()}"}}
-    for cause, change in spoil.items():  # a prompt of its own each: a recomputed one is cached here after
+    spoil = {"lease_gone": lambda params, _: released(workers, params),
+             "token_mismatch": lambda _, prompt: handle(workers, "Another prompt: " + prompt),
+             "bad_handle": lambda params, _: {**params, "tokens_sha": "0" * 32},  # the seal breaks
+             "unreachable": lambda params, _: {**params, "remote_url": f"http://127.0.0.1:{free_port()}"}}
+    for cause, spoiled in spoil.items():  # a prompt of its own each: a recomputed one is cached here after
         prompt = f"Case {cause}: {PROMPTS[1]}"
-        params = {**handle(workers, prompt), **change}
+        params = spoiled(handle(workers, prompt), prompt)
         before = failures(decode, cause)
         assert texts(complete(decode, prompt, kv_transfer_params=params)) == texts(
             complete(workers["reference"], prompt)), cause
@@ -183,7 +196,7 @@ def test_failed_pulls_are_recomputed_or_refused_and_leave_no_block_held(workers)
     expected = texts(complete(workers["reference"], prompt))
     good = handle(workers, prompt)
     # The same handle on a worker that must not recompute (and has other blocks): a clear 502.
-    refused = httpx.post(workers["strict"] + "/v1/completions", timeout=60, json={
+    refused = peer_post(workers["strict"], "/internal/v1/completions", {
         "prompt": prompt, "max_tokens": 4, "kv_transfer_params": handle(workers, prompt)})
     assert refused.status_code == 502 and refused.json()["error"]["code"] == "kv_transfer_failed"
     assert "32" in refused.json()["error"]["message"]  # says what does not match
@@ -192,11 +205,10 @@ def test_failed_pulls_are_recomputed_or_refused_and_leave_no_block_held(workers)
                               (workers["prefill"], good, "kv_role_mismatch"),
                               (decode, {"do_remote_prefill": True}, None),
                               (decode, {"do_remote_prefill": True, "do_remote_decode": True}, None)):
-        response = httpx.post(url + "/v1/completions", json={"prompt": prompt, "kv_transfer_params": params},
-                              timeout=60)
+        response = peer_post(url, "/internal/v1/completions", {"prompt": prompt, "kv_transfer_params": params})
         assert response.status_code == 400 and (code is None or response.json()["error"]["code"] == code), params
     # The object store, asked of a worker outside any Ray cluster: a clear 400, and the lease stays for TCP.
-    asked = httpx.get(f"{workers['prefill']}/v1/kv/leases/{good['lease_id']}", params={"via": "ray"}, timeout=10)
+    asked = peer_call("GET", workers["prefill"], lease_target(good["lease_id"], via="ray"))
     assert asked.status_code == 400 and asked.json()["error"]["code"] == "kv_transport_unavailable"
     # The good handle still works after all that, and its lease is then released.
     assert texts(complete(decode, prompt, kv_transfer_params=good)) == expected
@@ -208,9 +220,9 @@ def test_an_unclaimed_lease_expires_and_its_blocks_are_freed(workers):
     params = handle(workers, "# a fresh prompt\n" + PROMPTS[2])
     assert metric_sum(prefill, "pagedserve_kv_transfer_leased_blocks") >= 1
     wait_for(lambda: idle(prefill), 15, "the 4 s lease to expire")
-    late = httpx.get(f"{prefill}/v1/kv/leases/{params['lease_id']}", timeout=10)
+    late = peer_call("GET", prefill, lease_target(params["lease_id"]))
     assert late.status_code == 404 and late.json()["error"]["code"] == "kv_lease_not_found"
-    info = httpx.get(prefill + "/v1/kv/info", timeout=10).json()
+    info = peer_call("GET", prefill, "/internal/v1/kv/info").json()
     assert info["kv_role"] == "prefill" and info["block_size"] == 16 and info["kv_format"] == "float32"
 
 
@@ -306,7 +318,9 @@ def test_the_first_token_streams_before_the_pull_and_a_client_leaving_mid_pull_f
         params = {"do_remote_prefill": True, **body["kv_transfer_params"], "remote_url": cut.url}
         request = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True, "kv_transfer_params": params}
         timeouts = failures(decode, "timeout")
-        with httpx.stream("POST", decode + "/v1/completions", json=request, timeout=120) as response:
+        content, headers = key().signed_json("POST", "/internal/v1/completions", request)
+        with httpx.stream("POST", decode + "/internal/v1/completions", content=content, headers=headers,
+                          timeout=120) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])

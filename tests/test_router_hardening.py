@@ -162,15 +162,16 @@ def test_routing_headers_are_read_strictly(cluster, tmp_path):
 
 # --- one bad client, or one bad replica ----------------------------------------------------------
 
-async def _poison_while_serving(url: str, seconds: float, per_second: int) -> tuple[list, list]:
-    """Poisoned requests at a fixed rate, and normal ones back to back, for `seconds`."""
+async def _poison_while_serving(url: str, seconds: float, per_second: int,
+                                marker: str = "POISON") -> tuple[list, list]:
+    """Poisoned requests (prompt `marker`) at a fixed rate, and normal ones back to back, for `seconds`."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         stop = time.monotonic() + seconds
 
         async def poison():
             sent = []
             while time.monotonic() < stop:
-                sent.append(asyncio.create_task(client.post("/v1/completions", json={**BODY, "prompt": "POISON"})))
+                sent.append(asyncio.create_task(client.post("/v1/completions", json={**BODY, "prompt": marker})))
                 await asyncio.sleep(1 / per_second)  # pacing the attack, not waiting for a condition
             return await asyncio.gather(*sent)
 
@@ -193,6 +194,25 @@ def test_poisoning_client_ejects_no_replica(faulty, tmp_path):
         for response in poisoned:  # the replicas' own 500 in OpenAI's shape, after two replicas agreed
             assert response.status_code == 500 and response.json()["error"]["message"].startswith("stand-in")
         assert sum(s.seen.get("500", 0) for s in faulty) <= 2 * len(poisoned)
+        assert router.replica_states() == {"r0": True, "r1": True}
+        assert router.metric("pagedserve_router_ejections_total") == 0
+
+
+def test_replica_crashing_on_a_request_stays_in_rotation(faulty, tmp_path):
+    """A replica whose unhandled exception answers 500 and then closes the connection (uvicorn's way): the
+    router's confirming probe goes out on a fresh connection, finds /health fine, and ejects nothing (it used
+    to reuse the dying connection, read an error and eject: 25 of 30 normal requests then got 503)."""
+    with RouterProcess(tmp_path, **config([s.url for s in faulty], policy="least_load")) as router:
+        router.wait_healthy(["r0", "r1"])
+        crashed, normal = asyncio.run(_poison_while_serving(router.url, seconds=6, per_second=4, marker="CRASH"))
+        served = sum(r.status_code == 200 for r in normal)
+        print(f"normal requests served while crashing replicas: {served}/{len(normal)}; crashing {len(crashed)} "
+              f"({sum(s.seen.get('crash', 0) for s in faulty)} crashes)")
+        assert served == len(normal) and served >= 5, [r.text for r in normal if r.status_code != 200][:3]
+        assert all(r.status_code == 500 for r in crashed)
+        wait_for(lambda: router.metric("pagedserve_router_confirm_probes_total", ok="true") >= 1, 10,
+                 "a confirming probe")
+        assert router.metric("pagedserve_router_confirm_probes_total", ok="false") == 0
         assert router.replica_states() == {"r0": True, "r1": True}
         assert router.metric("pagedserve_router_ejections_total") == 0
 
@@ -228,7 +248,7 @@ def test_dropped_connection_with_a_good_probe_keeps_the_replica(faulty, tmp_path
         router.wait_healthy(["r0", "r1"])
         response = httpx.post(router.url + "/v1/completions", json={**BODY, "stream": stream}, timeout=30)
         assert response.status_code == 200 and response.headers["x-pagedserve-replica"] == "r1"
-        assert faulty[0].seen == {"drop": 1}
+        assert faulty[0].seen == {"drop": 2}  # once more on a connection of its own (proxy._attempt), then r1
         wait_for(lambda: router.metric("pagedserve_router_confirm_probes_total", replica="r0", ok="true"), 10,
                  "the confirming probe")
         assert router.replica_states() == {"r0": True, "r1": True}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 import statistics
 import sys
@@ -32,6 +33,8 @@ from pagedserve.bench.report import REPO, command_line, machine_line, publish
 from pagedserve.bench.serve import BenchRequest, RateResult, run_rate, summarize
 from pagedserve.bench.servers import ServerProcess, free_port
 from pagedserve.bench.workloads import corpus_tokens
+from pagedserve.server.kv_transfer import lease_target
+from pagedserve.server.peer_auth import PEER_PREFIX, SECRET_ENV, PeerKey
 
 QUICK = ["--lengths", "512", "--rates", "0.3", "--duration", "10", "--long", "256,512", "--chat-output", "16"]
 # Admission control off on every worker of both deployments: its TTFT-based refusals of long prompts would
@@ -128,10 +131,20 @@ def local_ray():
         ray.shutdown()
 
 
+# The benchmark's workers and router are one cluster: they share this secret (in the environment they inherit),
+# and this process signs its own calls to the workers' peer routes with it, as a router would.
+PEER_KEY = PeerKey.generate()
+
+
+def peer_post(url: str, body: dict) -> dict:
+    path = PEER_PREFIX + "/v1/completions"
+    content, headers = PEER_KEY.signed_json("POST", path, body)
+    return httpx.post(url + path, content=content, headers=headers, timeout=1200).json()
+
+
 def lease(prefill: str, body: dict) -> dict:
     """A prefill half: the prompt computed (or found cached) and its blocks leased; the handle."""
-    return httpx.post(prefill + "/v1/completions", timeout=1200, json={
-        **body, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    return peer_post(prefill, {**body, "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
 
 
 def transfer_rows(args, tmp: Path, tokens: list[int]) -> list[dict]:
@@ -162,16 +175,16 @@ def transfer_rows(args, tmp: Path, tokens: list[int]) -> list[dict]:
             gets = []
             for _ in range(3):
                 start = time.perf_counter()
-                data = httpx.get(f"{prefill}/v1/kv/leases/{handle['lease_id']}", timeout=600).content
+                target = lease_target(handle["lease_id"])
+                data = httpx.get(prefill + target, headers=PEER_KEY.sign("GET", target), timeout=600).content
                 gets.append(time.perf_counter() - start)
             pulls, cached = {}, []
             for transport, decode in decoders.items():
                 handle = lease(prefill, body)
                 before = pull_seconds(decode)
                 # two tokens: the first is the prefill worker's, so with one the decode half would need no blocks
-                decoded = httpx.post(decode + "/v1/completions", timeout=1200, json={
-                    **body, "max_tokens": 2, "kv_transfer_params": {
-                        "do_remote_prefill": True, "remote_url": prefill, **handle}}).json()
+                decoded = peer_post(decode, {**body, "max_tokens": 2, "kv_transfer_params": {
+                    **handle, "do_remote_prefill": True, "remote_url": prefill}})
                 after = pull_seconds(decode)
                 pulls[transport] = after[0] - before[0] if after[1] > before[1] else float("nan")
                 cached.append(decoded["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -214,7 +227,8 @@ def deployment(name: str, args, tmp: Path):
     router = f"http://127.0.0.1:{router_port}"
     with contextlib.ExitStack() as stack:
         for i, (port, role) in enumerate(zip(ports, roles)):
-            stack.enter_context(process([*SERVE, "--port", str(port), "--kv-role", role, "--kv-cache-memory",
+            kv_role = ["--kv-role", role] if name == "disaggregated" else []
+            stack.enter_context(process([*SERVE, "--port", str(port), *kv_role, "--kv-cache-memory",
                                          args.kv_cache_memory], urls[i], tmp / f"{name}-{i}.log", {i}))
         stack.enter_context(process([sys.executable, "-m", "pagedserve.cli", "router", "--config", str(config),
                                      "--port", str(router_port)], router, tmp / f"{name}-router.log"))
@@ -344,6 +358,7 @@ def run_args(args: argparse.Namespace) -> int:
     from pagedserve.model.loader import load_model
 
     tokens = corpus_tokens(load_model(None).tokenizer)
+    os.environ[SECRET_ENV] = PEER_KEY.hex()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         transfer = transfer_rows(args, tmp, tokens)

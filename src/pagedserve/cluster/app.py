@@ -4,6 +4,7 @@ its routing hints; proxy.py forwards it, with failover."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from contextlib import asynccontextmanager
 
@@ -20,11 +21,16 @@ from pagedserve.cluster.policies import RoutingRequest
 from pagedserve.cluster.proxy import Forward, forward, until_disconnect
 from pagedserve.cluster.router import Router
 from pagedserve.server.errors import error_response, install_error_handlers
+from pagedserve.server.peer_auth import HEADER as PEER_HEADER
+from pagedserve.server.peer_auth import PeerKey
 
 log = logging.getLogger(__name__)
 
 DROPPED_HEADERS = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
-                   b"upgrade", b"accept-encoding", b"proxy-authorization", b"proxy-connection"}
+                   b"upgrade", b"accept-encoding", b"proxy-authorization", b"proxy-connection",
+                   PEER_HEADER.encode()}
+# Fields of the workers' peer routes that a client's body may not carry to a replica: dropped on the way in.
+INTERNAL_FIELDS = frozenset({"kv_transfer_params"})
 MAX_TOKENS_ESTIMATE = 1 << 20  # bounds the load one request can claim in the policies' estimates
 
 
@@ -69,12 +75,25 @@ def _count(value, default: int) -> int:
     return max(value, 0) if isinstance(value, int) and not isinstance(value, bool) else default
 
 
-def create_app(config: ClusterConfig) -> FastAPI:
+def check_peer_key(config: ClusterConfig, peer_key: PeerKey | None) -> None:
+    """What the router asks of replicas' internal routes needs the cluster secret to sign with."""
+    if peer_key is None and (config.lora_modules or any(r.kv_role == "prefill" for r in config.replicas)):
+        raise ValueError("disaggregated replicas and lora_modules need the cluster secret "
+                         "(--cluster-secret-file or $PAGEDSERVE_CLUSTER_SECRET): the router signs those calls")
+
+
+def create_app(config: ClusterConfig, peer_key: PeerKey | None = None) -> FastAPI:
+    """peer_key: the cluster secret, which the router signs its internal calls to replicas with (disaggregated
+    halves, KV layout checks, adapter loads)."""
+    check_peer_key(config, peer_key)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-        async with httpx.AsyncClient(limits=limits, timeout=config.request_timeout_s) as client:
-            router = Router(config, client)
+        async with (httpx.AsyncClient(limits=limits, timeout=config.request_timeout_s) as client,
+                    httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0),
+                                      timeout=config.request_timeout_s) as fresh):
+            router = Router(config, client, peer_key, fresh)
             await router.health.probe_all()
             probes = asyncio.create_task(router.health.run())
             app.state.router, app.state.client = router, client
@@ -135,6 +154,10 @@ async def proxy(request: Request, endpoint: str) -> Response:
 async def read_request(request: Request, endpoint: str, config: ClusterConfig) -> Forward:
     body = await client_input.read_body(request, config.max_body_bytes)
     payload = client_input.json_object(body)
+    if INTERNAL_FIELDS & payload.keys():
+        log.warning("dropped internal fields %s from a client's request", sorted(INTERNAL_FIELDS & payload.keys()))
+        payload = {k: v for k, v in payload.items() if k not in INTERNAL_FIELDS}
+        body = json.dumps(payload).encode()
     headers = request.headers
     residency = client_input.residency(headers, config.residency_header)
     client_region = client_input.client_region(headers, config.client_region_header)

@@ -1,8 +1,10 @@
 """Disaggregated prefill and decode, the router's side: with prefill replicas configured (`kv_role: prefill`),
 a completion or chat request goes first to a prefill replica (non-streamed, `kv_transfer_params:
-{do_remote_decode: true}`), which computes the prompt and answers with a lease on its KV blocks; the request
-then goes, with that handle, to a decode replica chosen as usual (policy, prefix affinity, residency), which
-pulls the blocks it lacks and streams the answer to the client (server/kv_transfer.py).
+{do_remote_decode: true}`), which computes the prompt and answers with a sealed lease on its KV blocks; the
+request then goes, with that handle and the prefill replica's URL, to a decode replica chosen as usual (policy,
+prefix affinity, residency), which pulls the blocks it lacks and streams the answer to the client
+(server/kv_transfer.py). Both halves go to the workers' peer routes (/internal/...), signed with the cluster
+secret; a client's own `kv_transfer_params` never gets this far (app.py drops it).
 
 A prefill replica that fails is retried on another; when none succeeds the request goes to the decode pool
 without a handle and is computed there whole: slower, never lost. Prompts shorter than
@@ -20,6 +22,7 @@ import time
 import httpx
 
 from pagedserve.cluster.router import NoReplicaError, Router
+from pagedserve.server.peer_auth import PEER_PREFIX
 
 log = logging.getLogger(__name__)
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions"}
@@ -27,14 +30,16 @@ ENDPOINTS = {"/v1/completions", "/v1/chat/completions"}
 
 async def prefill_first(router: Router, fwd):
     """The Forward the decode pool gets: with the prefill replica's handle, or unchanged (recompute)."""
-    payload = json.loads(fwd.body)
-    if (fwd.endpoint not in ENDPOINTS or "kv_transfer_params" in payload
-            or fwd.req.prompt_tokens < router.config.disagg_min_prompt_tokens):
+    if fwd.endpoint not in ENDPOINTS or fwd.req.prompt_tokens < router.config.disagg_min_prompt_tokens:
         return fwd
+    payload = json.loads(fwd.body)
     body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
     body["kv_transfer_params"] = {"do_remote_decode": True}
+    target = PEER_PREFIX + fwd.endpoint
+    content, signed = router.peer_key.signed_json("POST", target, body)
     timeout = httpx.Timeout(router.config.request_timeout_s, connect=router.config.connect_timeout_s)
-    headers = [(k, v) for k, v in fwd.headers if k.lower() != b"content-type"] + [(b"content-type", b"application/json")]
+    headers = [(k, v) for k, v in fwd.headers if k.lower() != b"content-type"] + [
+        (k.encode(), v.encode()) for k, v in signed.items()]
     tried: list[str] = []
     for _ in range(router.config.max_attempts):
         try:
@@ -52,7 +57,7 @@ async def prefill_first(router: Router, fwd):
         start = time.perf_counter()
         replica.start_request(fwd.req.est_tokens)
         try:
-            response = await router.health.client.post(replica.url + fwd.endpoint, json=body, headers=headers,
+            response = await router.health.client.post(replica.url + target, content=content, headers=headers,
                                                        timeout=timeout)
         except httpx.HTTPError as exc:
             result = type(exc).__name__
@@ -65,8 +70,11 @@ async def prefill_first(router: Router, fwd):
             if handle is not None:
                 router.metrics.prefills.labels(replica.name, "handed_off").inc()
                 router.metrics.prefill_seconds.observe(time.perf_counter() - start)
-                payload["kv_transfer_params"] = {"do_remote_prefill": True, "remote_url": replica.url, **handle}
-                return dataclasses.replace(fwd, body=json.dumps(payload).encode())
+                payload["kv_transfer_params"] = {**handle, "do_remote_prefill": True, "remote_url": replica.url}
+                decode_body, signed = router.peer_key.signed_json("POST", target, payload)
+                return dataclasses.replace(fwd, body=decode_body, path=target, headers=[
+                    *((k, v) for k, v in fwd.headers if k.lower() != b"content-type"),
+                    *((k.encode(), v.encode()) for k, v in signed.items())])
             result = f"status_{response.status_code}"
             if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
                 router.metrics.prefills.labels(replica.name, result).inc()

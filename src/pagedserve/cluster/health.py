@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.cluster.replica import Replica
 from pagedserve.config import EngineConfig
+from pagedserve.server.peer_auth import PEER_PREFIX, PeerKey
 
 BLOCK_TOKENS = EngineConfig().block_size  # replicas do not publish theirs; the default is assumed
 
@@ -30,9 +31,12 @@ class HealthMonitor:
     def __init__(self, replicas: list[Replica], client: httpx.AsyncClient, *, interval_s: float,
                  timeout_s: float, unhealthy_threshold: int, healthy_threshold: int, passive_failures: int,
                  on_eject: Callable[[Replica, str], None], on_readmit: Callable[[Replica], None],
-                 on_confirm: Callable[[Replica, bool], None] = lambda replica, ok: None) -> None:
+                 on_confirm: Callable[[Replica, bool], None] = lambda replica, ok: None,
+                 peer_key: PeerKey | None = None, fresh_client: httpx.AsyncClient | None = None) -> None:
         self.replicas = replicas
         self.client = client
+        # No connection kept: a connection of its own per request, for when a pooled one cannot be trusted.
+        self.fresh_client = fresh_client or httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.unhealthy_threshold = unhealthy_threshold
@@ -41,6 +45,7 @@ class HealthMonitor:
         self.on_eject = on_eject
         self.on_readmit = on_readmit
         self.on_confirm = on_confirm
+        self.peer_key = peer_key
         self._passive: dict[str, int] = {}
         self._confirming: dict[str, asyncio.Task] = {}
         self.disaggregated = any(r.kv_role == "prefill" for r in replicas)
@@ -71,11 +76,14 @@ class HealthMonitor:
         """Disaggregated: a replica whose KV blocks could not move to or from the prefill pool (another model,
         block size or KV format), or that runs another role than configured, stays out of rotation."""
         try:
-            info = (await self.client.get(replica.url + "/v1/kv/info", timeout=self.timeout_s)).json()
+            path = PEER_PREFIX + "/v1/kv/info"
+            response = await self.client.get(replica.url + path, headers=self.peer_key.sign("GET", path),
+                                             timeout=self.timeout_s)
+            info = response.json()
             replica.kv_layout = (info["model"], int(info["block_size"]), info["kv_format"])
             role = info["kv_role"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            return f"/v1/kv/info failed: {type(exc).__name__} {exc}".strip()
+            return f"/internal/v1/kv/info failed: {type(exc).__name__} {exc}".strip()
         if role not in (replica.kv_role, "both"):
             return f"configured as a {replica.kv_role} replica, but it runs with --kv-role {role}"
         reference = next((r for r in self.replicas if r.kv_role == "prefill" and r.kv_layout is not None), None)
@@ -87,11 +95,11 @@ class HealthMonitor:
                     "--kv-cache-dtype")
         return None
 
-    async def _check(self, replica: Replica) -> tuple[bool, str]:
+    async def _check(self, replica: Replica, client: httpx.AsyncClient | None = None) -> tuple[bool, str]:
         """One GET /health: whether it answered 200, and what went wrong if not."""
         start = time.perf_counter()
         try:
-            response = await self.client.get(replica.url + "/health", timeout=self.timeout_s)
+            response = await (client or self.client).get(replica.url + "/health", timeout=self.timeout_s)
         except httpx.HTTPError as exc:
             return False, f"/health failed: {type(exc).__name__} {exc}".strip()
         if response.status_code != 200:
@@ -150,7 +158,9 @@ class HealthMonitor:
             self._confirming[replica.name] = asyncio.create_task(self._confirm(replica, reason))
 
     async def _confirm(self, replica: Replica, reason: str) -> None:
-        ok, probe_reason = await self._check(replica)
+        # On a connection of its own: a pooled one may be the very connection the failed request left broken (a
+        # replica closes it after an unhandled error), and a read error on that says nothing of the replica.
+        ok, probe_reason = await self._check(replica, self.fresh_client)
         self.on_confirm(replica, ok)
         if not ok and replica.healthy:
             self.eject(replica, f"{reason}; then {probe_reason}", "confirmed")

@@ -16,6 +16,7 @@ from typing import Self
 import httpx
 
 from pagedserve.config import EngineConfig
+from pagedserve.server.peer_auth import SECRET_ENV, PeerKey
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,13 @@ class ReplicaProcess:
     command: list[str]
     log_path: Path
     process: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # added to this process's environment (the cluster secret)
 
     def start(self) -> None:
+        env = {**os.environ, **self.env} if self.env else None
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, env=env)
         log.info("started %s (pid %d) at %s, log %s", self.name, self.process.pid, self.url, self.log_path)
 
     def alive(self) -> bool:
@@ -86,6 +89,16 @@ def serve_command(host: str, port: int, extra_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "pagedserve.cli", "serve", "--host", host, "--port", str(port), *extra_args]
 
 
+def role_flags(roles: list[str], i: int) -> list[str]:
+    """--kv-role for replica i when the cluster is disaggregated (else none: plain replicas have no peer routes)."""
+    return ["--kv-role", roles[i]] if set(roles) != {"both"} else []
+
+
+def secret_env(peer_key: PeerKey | None) -> dict[str, str] | None:
+    """How a replica gets the cluster secret: in its environment, never on its command line (which ps shows)."""
+    return {SECRET_ENV: peer_key.hex()} if peer_key is not None else None
+
+
 def wait_healthy(url: str, deadline: float, process: ReplicaProcess | None = None) -> None:
     while time.monotonic() < deadline:
         if process is not None and not process.alive():
@@ -104,7 +117,8 @@ class LocalCluster:
     """Starts replicas; `with LocalCluster(...) as cluster:` stops them all on exit, however it exits."""
 
     def __init__(self, num_replicas: int, serve_args: list[str], host: str = "127.0.0.1",
-                 log_dir: Path | None = None, startup_timeout: float = 300.0, roles: list[str] | None = None) -> None:
+                 log_dir: Path | None = None, startup_timeout: float = 300.0, roles: list[str] | None = None,
+                 peer_key: PeerKey | None = None) -> None:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pagedserve-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
@@ -114,8 +128,8 @@ class LocalCluster:
         for i in range(num_replicas):
             port = free_port(host)
             self.replicas.append(ReplicaProcess(f"replica-{i}", f"http://{host}:{port}", port,
-                                                serve_command(host, port, [*serve_args, "--kv-role", self.roles[i]]),
-                                                self.log_dir / f"replica-{i}.log"))
+                                                serve_command(host, port, [*serve_args, *role_flags(self.roles, i)]),
+                                                self.log_dir / f"replica-{i}.log", env=secret_env(peer_key)))
 
     def start(self) -> LocalCluster:
         try:

@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -53,6 +53,7 @@ class Forward:
     residency: frozenset[str]
     client_region: str | None
     model: str | None
+    path: str = ""  # where the replicas get it, when not at endpoint (a worker's peer route, signed)
 
 
 @dataclass(slots=True)
@@ -145,18 +146,16 @@ async def _attempt(router: Router, replica: Replica, fwd: Forward) -> Response |
     start = time.perf_counter()
     handed_over = False
     try:
-        upstream_request = client.build_request("POST", replica.url + fwd.endpoint, content=fwd.body,
-                                                headers=fwd.headers, timeout=timeout)
-        upstream = await client.send(upstream_request, stream=True)
+        url = replica.url + (fwd.path or fwd.endpoint)
         try:
-            if upstream.status_code != 200 or not _is_event_stream(upstream):
-                content = await upstream.aread()
-                return _finish_plain(router, replica, fwd.endpoint, upstream, content)
-            chunks = upstream.aiter_raw()
-            first = await anext(chunks, b"")
-        except BaseException:
-            await upstream.aclose()
-            raise
+            upstream, chunks, first = await _exchange(client, url, fwd, timeout)
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            # A pooled connection the replica closed under this request (uvicorn closes a connection after an
+            # unhandled exception, cutting short whatever else it had begun on it): nothing reached the client,
+            # so once more, on a connection of its own, before the replica is blamed.
+            upstream, chunks, first = await _exchange(router.health.fresh_client, url, fwd, timeout)
+        if chunks is None:
+            return _finish_plain(router, replica, fwd.endpoint, upstream, first)
         router.metrics.ttft.observe(time.perf_counter() - start)
         handed_over = True
         return StreamingResponse(_relay(router, replica, fwd, upstream, chunks, first),
@@ -172,6 +171,22 @@ async def _attempt(router: Router, replica: Replica, fwd: Forward) -> Response |
     finally:
         if not handed_over:
             replica.finish_request(fwd.req.est_tokens)
+
+
+async def _exchange(client: httpx.AsyncClient, url: str, fwd: Forward,
+                    timeout: httpx.Timeout) -> tuple[httpx.Response, AsyncIterator[bytes] | None, bytes]:
+    """Sends the request and reads the answer's first part: (the response, the rest of its stream or None when
+    it is a plain body, the whole plain body or the stream's first chunk)."""
+    upstream = await client.send(client.build_request("POST", url, content=fwd.body, headers=fwd.headers,
+                                                      timeout=timeout), stream=True)
+    try:
+        if upstream.status_code != 200 or not _is_event_stream(upstream):
+            return upstream, None, await upstream.aread()
+        chunks = upstream.aiter_raw()
+        return upstream, chunks, await anext(chunks, b"")
+    except BaseException:
+        await upstream.aclose()
+        raise
 
 
 def _is_event_stream(upstream: httpx.Response) -> bool:

@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 from typing import Self
 
-from pagedserve.cluster.launcher import ReplicaProcess, free_port, serve_command, wait_healthy
+from pagedserve.cluster.launcher import (
+    ReplicaProcess,
+    free_port,
+    role_flags,
+    secret_env,
+    serve_command,
+    wait_healthy,
+)
+from pagedserve.server.peer_auth import PeerKey
 
 log = logging.getLogger(__name__)
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a one-machine cluster, addressed on loopback
@@ -39,14 +47,14 @@ def use_loopback() -> None:
 
 
 class ReplicaActor:
-    def __init__(self, name: str, serve_args: list[str], host: str | None) -> None:
+    def __init__(self, name: str, serve_args: list[str], host: str | None, env: dict[str, str] | None) -> None:
         import ray
 
         host = host or ray.util.get_node_ip_address()
         port = free_port(host)
         log_path = Path(tempfile.gettempdir()) / f"pagedserve-ray-{name}-{os.getpid()}.log"
         self.replica = ReplicaProcess(name, f"http://{host}:{port}", port, 
-                                      die_with_parent(serve_command(host, port, serve_args)), log_path)
+                                      die_with_parent(serve_command(host, port, serve_args)), log_path, env=env)
         self.replica.start()
 
     def wait_url(self, timeout: float) -> str:
@@ -60,7 +68,8 @@ class ReplicaActor:
 class RayCluster:
     def __init__(self, num_replicas: int, serve_args: list[str], *, address: str | None = None,
                  replica_cpus: float | None = None, host: str | None = None, num_cpus: int | None = None,
-                 startup_timeout: float = 300.0, roles: list[str] | None = None) -> None:
+                 startup_timeout: float = 300.0, roles: list[str] | None = None,
+                 peer_key: PeerKey | None = None) -> None:
         self.num_replicas = num_replicas
         self.serve_args = serve_args
         self.roles = roles or ["both"] * num_replicas  # --kv-role per replica
@@ -69,6 +78,7 @@ class RayCluster:
         self.replica_cpus = replica_cpus or self.num_cpus / (num_replicas + 1)  # one share left for the router
         self.host = host
         self.startup_timeout = startup_timeout
+        self.env = secret_env(peer_key)
         self.actors: list = []
         self._urls: list[str] = []
         self._owns_ray = False
@@ -86,7 +96,8 @@ class RayCluster:
         join = ["--ray-address", ray.get_runtime_context().gcs_address] if set(self.roles) != {"both"} else []
         try:
             self.actors = [remote_actor.remote(f"ray-replica-{i}",
-                                               [*self.serve_args, "--kv-role", self.roles[i], *join], self.host)
+                                               [*self.serve_args, *role_flags(self.roles, i), *join], self.host,
+                                               self.env)
                            for i in range(self.num_replicas)]
             self._urls = ray.get([a.wait_url.remote(self.startup_timeout) for a in self.actors])
         except BaseException:

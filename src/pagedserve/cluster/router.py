@@ -21,6 +21,7 @@ from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.policies import Decision, PrefixAffinity, RoutingRequest, make_policy
 from pagedserve.cluster.regions import RegionMap, allowed_by_residency
 from pagedserve.cluster.replica import Replica
+from pagedserve.server.peer_auth import PeerKey
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,10 @@ class NoReplicaError(Exception):
 
 
 class Router:
-    def __init__(self, config: ClusterConfig, client: httpx.AsyncClient) -> None:
+    def __init__(self, config: ClusterConfig, client: httpx.AsyncClient, peer_key: PeerKey | None = None,
+                 fresh_client: httpx.AsyncClient | None = None) -> None:
         self.config = config
+        self.peer_key = peer_key  # signs what the router asks of replicas' internal routes
         self.replicas = [Replica(s.name, s.url, s.region, frozenset(t.lower() for t in s.tags), kv_role=s.kv_role)
                          for s in config.replicas]
         self.disaggregated = any(r.kv_role == "prefill" for r in self.replicas)
@@ -55,7 +58,7 @@ class Router:
             self.replicas, client, interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
             unhealthy_threshold=config.unhealthy_threshold, healthy_threshold=config.healthy_threshold,
             passive_failures=config.passive_failures, on_eject=self._ejected, on_readmit=self._readmitted,
-            on_confirm=self._confirmed)
+            on_confirm=self._confirmed, peer_key=peer_key, fresh_client=fresh_client)
 
     def select(self, req: RoutingRequest, *, residency: frozenset[str] = frozenset(),
                client_region: str | None = None, model: str | None = None,
@@ -99,9 +102,11 @@ class Router:
         return await asyncio.shield(task)
 
     async def _load(self, replica: Replica, name: str) -> str | None:
-        body = {"lora_name": name, "lora_path": self.config.lora_modules[name]}
+        path = "/v1/load_lora_adapter"
+        body, headers = self.peer_key.signed_json("POST", path, {"lora_name": name,
+                                                                 "lora_path": self.config.lora_modules[name]})
         try:
-            response = await self.health.client.post(replica.url + "/v1/load_lora_adapter", json=body,
+            response = await self.health.client.post(replica.url + path, content=body, headers=headers,
                                                       timeout=self.config.request_timeout_s)
         except httpx.HTTPError as exc:
             problem = f"loading adapter {name} failed: {type(exc).__name__} {exc}".strip()

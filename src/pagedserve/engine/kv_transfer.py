@@ -40,10 +40,15 @@ def tokens_sha(token_ids: list[int], salt: str | None = None) -> str:
 
 
 class KVTransfer:
-    def __init__(self, kv: KVCacheManager, runner: ModelRunner, lease_s: float = 30.0):
+    def __init__(self, kv: KVCacheManager, runner: ModelRunner, lease_s: float = 30.0,
+                 max_pinned_fraction: float = 0.5, max_leases: int = 1024):
         self.kv = kv
         self.runner = runner
         self.lease_s = lease_s
+        # Leases never pin more than this share of the pool, nor more than max_leases at once: decode workers
+        # that never come (or a peer gone wrong) cannot starve this worker's own requests of blocks.
+        self.max_pinned_fraction = max_pinned_fraction
+        self.max_leases = max_leases
         self.leases: dict[str, Lease] = {}
 
     @property
@@ -55,10 +60,14 @@ class KVTransfer:
         return sum(len(lease.block_ids) for lease in self.leases.values())
 
     def lease(self, token_ids: list[int], salt: str | None = None) -> Lease:
-        """Pins the cached full blocks of this prompt (those that survived until now); salt: the cache salt
-        the prompt was computed under."""
+        """Pins the cached full blocks of this prompt (those that survived until now, and as many leading ones
+        as the bounds on leases allow: the decode worker computes the rest); salt: the cache salt the prompt
+        was computed under."""
         self.expire()
-        blocks = self.kv.cached_prefix_blocks(token_ids, salt)
+        room = int(self.max_pinned_fraction * self.kv.num_blocks) - self.pinned_blocks
+        if len(self.leases) >= self.max_leases:
+            room = 0
+        blocks = self.kv.cached_prefix_blocks(token_ids, salt)[:max(room, 0)]
         self.kv.pin(blocks)
         lease = Lease(uuid.uuid4().hex, blocks, tokens_sha(token_ids[:len(blocks) * self.block_size], salt),
                       time.monotonic() + self.lease_s)

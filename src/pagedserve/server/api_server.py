@@ -16,6 +16,7 @@ from pagedserve.server.kv_transfer import Disaggregation
 from pagedserve.server.lora_routes import parse_lora_modules, register_startup_adapters
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.openai_api import create_app
+from pagedserve.server.peer_auth import load_key
 from pagedserve.server.serving import ServerState
 from pagedserve.server.tool_parsers import choose_parser
 
@@ -23,6 +24,15 @@ logger = logging.getLogger(__name__)
 
 
 def build_state(args: argparse.Namespace) -> ServerState:
+    try:
+        peer_key = load_key(args.cluster_secret_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--cluster-secret-file: {exc}") from None
+    if args.kv_role is not None and peer_key is None:
+        raise SystemExit("--kv-role needs the cluster secret (--cluster-secret-file or $PAGEDSERVE_CLUSTER_SECRET): "
+                         "only the cluster's own router and workers may send KV-transfer requests")
+    if not 0 <= args.kv_lease_max_fraction <= 1:
+        raise SystemExit("--kv-lease-max-fraction is a fraction of the KV pool, between 0 and 1")
     if args.kv_transport == "ray" and not args.ray_address:
         raise SystemExit("--kv-transport ray needs --ray-address (the Ray cluster whose object store moves the "
                          "blocks)")
@@ -40,10 +50,11 @@ def build_state(args: argparse.Namespace) -> ServerState:
     except ValueError as exc:
         raise SystemExit(f"--tool-call-parser: {exc}") from None
     state = ServerState(engine=engine, model_name=name, metrics=ServerMetrics(name), embedder=embedder,
-                        admission=admission, tool_parser=parser,
+                        admission=admission, tool_parser=parser, peer_key=peer_key,
                         disagg=Disaggregation(args.kv_role, args.kv_load_failure, args.kv_pull_timeout_s,
                                               args.kv_transport))
     engine.engine.kv_transfer.lease_s = args.kv_lease_s
+    engine.engine.kv_transfer.max_pinned_fraction = args.kv_lease_max_fraction
     if args.ray_address:
         from pagedserve.server import kv_ray
 

@@ -15,6 +15,7 @@ from pagedserve.server.protocol import (
     ChatMessage,
     ChoiceLogprobs,
     DeltaMessage,
+    KVTransferParams,
     TokenLogprob,
     TopLogprob,
     random_id,
@@ -51,8 +52,9 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
         raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
-                                 ctx: RequestContext) -> ChatCompletionResponse | EventStream:
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, ctx: RequestContext,
+                                 kv: KVTransferParams | None = None) -> ChatCompletionResponse | EventStream:
+    """kv: a peer's disaggregated request (server/peer_routes.py), never a client's."""
     lora = state.check_generation_model(req.model)
     plan = tool_plan(req, state.tool_parser)
     guided, param = guided_spec(req)
@@ -67,8 +69,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(state, req, req.max_completion_tokens or req.max_tokens, top, guided)
     request_id = random_id("chatcmpl")
-    call = await start_streams(state, ctx, request_id, [prompt], params, "messages", lora, req.kv_transfer_params,
-                               req.stream)
+    call = await start_streams(state, ctx, request_id, [prompt], params, "messages", lora, kv, req.stream)
     parse = plan if plan is not None and plan.parses else None
     if req.stream:
         stream = await primed(merged(state, call))

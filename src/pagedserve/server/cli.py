@@ -18,6 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model name clients send (default: the model's own name, e.g. SmolLM2-135M-Instruct)")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on API routes (default: $PAGEDSERVE_API_KEY, else open)")
+    p.add_argument("--cluster-secret-file", default=None,
+                   help="file holding the cluster secret (hex; `pagedserve cluster secret` writes one, `cluster up` "
+                        "passes its own): internal routes (disaggregated requests, KV leases, run-time adapter "
+                        "loading) answer only requests signed with it (default: $PAGEDSERVE_CLUSTER_SECRET, else none "
+                        "and those routes are closed)")
     p.add_argument("--embedding-model", default="default",
                    help="sentence-embedding folder for /v1/embeddings; 'default' = packaged all-MiniLM-L6-v2, "
                         "'none' turns embeddings off")
@@ -42,14 +47,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_disaggregation_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("disaggregated prefill/decode", "the worker's role when a router splits "
                                   "requests between prefill and decode workers (docs/cluster.md)")
-    g.add_argument("--kv-role", choices=["prefill", "decode", "both"], default="both",
+    g.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None,
                    help="prefill: computes prompts for decode workers and leases their KV blocks; decode: pulls "
-                        "them and generates; both (default): either, and plain requests as always")
+                        "them and generates; both: either, and plain requests as always. Needs the cluster secret "
+                        "(--cluster-secret-file): the router signs these requests on the /internal routes. "
+                        "Default: none (a plain server; KV-transfer parameters are refused)")
     g.add_argument("--kv-load-failure", choices=["recompute", "fail"], default="recompute",
                    help="a decode worker whose pull of a prompt's blocks fails or times out recomputes the "
                         "prompt (default) or fails the request with a 502")
     g.add_argument("--kv-lease-s", type=float, default=30.0,
                    help="seconds a prefill worker keeps a prompt's blocks pinned for the decode worker's pull")
+    g.add_argument("--kv-lease-max-fraction", type=float, default=0.5,
+                   help="most of the KV pool that leases may pin at once; past it a prompt's handle covers fewer "
+                        "blocks and the decode worker computes the rest")
     g.add_argument("--kv-transport", choices=["auto", "tcp", "shm", "ray"], default="auto",
                    help="how a decode worker pulls blocks: shared memory from a prefill worker on this host, the "
                         "Ray object store from one in the same Ray cluster (--ray-address) and TCP (HTTP) "

@@ -10,6 +10,7 @@ from pagedserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    KVTransferParams,
     random_id,
 )
 from pagedserve.server.serving import (
@@ -36,8 +37,9 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def create_completion(state: ServerState, req: CompletionRequest,
-                            ctx: RequestContext) -> CompletionResponse | EventStream:
+async def create_completion(state: ServerState, req: CompletionRequest, ctx: RequestContext,
+                            kv: KVTransferParams | None = None) -> CompletionResponse | EventStream:
+    """kv: a peer's disaggregated request (server/peer_routes.py), never a client's."""
     lora = state.check_generation_model(req.model)
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
@@ -47,7 +49,7 @@ async def create_completion(state: ServerState, req: CompletionRequest,
         await compile_spec(state.engine, guided, param)
     params = sampling_params(state, req, req.max_tokens, req.logprobs, guided)
     request_id = random_id("cmpl")
-    call = await start_streams(state, ctx, request_id, prompts, params, lora=lora, kv=req.kv_transfer_params,
+    call = await start_streams(state, ctx, request_id, prompts, params, lora=lora, kv=kv,
                                stream=req.stream)
     if req.stream:
         stream = await primed(merged(state, call))

@@ -1,16 +1,20 @@
-"""Disaggregated prefill and decode, the worker's side (vLLM's `kv_transfer_params` vocabulary).
+"""Disaggregated prefill and decode, the worker's side (vLLM's `kv_transfer_params` vocabulary), on the peer
+routes only (server/peer_routes.py: signed with the cluster secret; a client can send none of this).
 
 - A prefill worker (`--kv-role prefill` or `both`) given `kv_transfer_params: {"do_remote_decode": true}`
   computes the prompt and its first token only, leases the prompt's full KV blocks and answers with a handle
-  in `kv_transfer_params`: lease id, block count, block size, KV format, a digest of the tokens (and of the
-  LoRA adapter's weights, for a request under one: its blocks are cached under that identity on both sides)
-  and the first token.
+  in `kv_transfer_params`, sealed with the cluster secret and expiring with the lease: lease id, block count,
+  block size, KV format, a digest of the tokens (and of the LoRA adapter's weights, for a request under one:
+  its blocks are cached under that identity on both sides) and the first token. Leases pin at most
+  `--kv-lease-max-fraction` of the pool; past it a handle covers fewer blocks (the decode worker computes the
+  rest).
 - A decode worker (`decode` or `both`) given `kv_transfer_params: {"do_remote_prefill": true, "remote_url":
-  ..., <the handle>}` pulls the blocks its own prefix cache lacks from `GET {remote_url}/v1/kv/leases/{id}`,
-  registers them in that cache, acknowledges (`DELETE`, which frees the lease into the prefill worker's prefix
-  cache) and runs the request, which then finds its prompt cached. A pull that fails or times out is
-  recomputed here (`--kv-load-failure recompute`, the default) or fails the request with a 502 (`fail`).
-  A plain single sample goes on from the prefill worker's first token, which streams before the pull.
+  <the prefill worker's origin>, <the handle>}` checks the seal, pulls the blocks its own prefix cache lacks from
+  `GET {remote_url}/internal/v1/kv/leases/{id}` (signed), registers them in that cache, acknowledges (`DELETE`,
+  which frees the lease into the prefill worker's prefix cache) and runs the request, which then finds its
+  prompt cached. A pull that fails or times out, or a handle whose seal fails, is recomputed here
+  (`--kv-load-failure recompute`, the default) or fails the request with a 502 (`fail`). A plain single sample
+  goes on from the prefill worker's first token, which streams before the pull.
 """
 from __future__ import annotations
 
@@ -20,17 +24,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlencode
 
 import httpx
-import torch
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
 
 from pagedserve.engine.kv_transfer import tokens_sha
 from pagedserve.engine.request import takes_output_from_elsewhere
 from pagedserve.lora_request import LoRARequest
 from pagedserve.server import kv_ray, kv_shm
 from pagedserve.server.errors import APIError
+from pagedserve.server.peer_auth import PEER_PREFIX
 from pagedserve.server.protocol import KVTransferParams
 
 log = logging.getLogger(__name__)
@@ -42,15 +45,17 @@ IMPORT_PART_BLOCKS = 32
 
 @dataclass
 class Disaggregation:
-    role: Literal["prefill", "decode", "both"] = "both"
+    role: Literal["prefill", "decode", "both"] | None = None  # None: not a disaggregated worker (no peer routes)
     load_failure: Literal["recompute", "fail"] = "recompute"
     pull_timeout_s: float = 10.0
     # auto: shared memory with a worker on this host, the Ray object store with one in our Ray cluster, else TCP
     transport: Literal["auto", "tcp", "shm", "ray"] = "auto"
     ray_cluster: str | None = None  # the GCS address of the Ray cluster this worker joined
     client: httpx.AsyncClient | None = field(default=None, repr=False)
-    segments: dict[str, list[str]] = field(default_factory=dict)  # lease id -> shared-memory segments written
-    objects: dict[str, list] = field(default_factory=dict)  # lease id -> Ray object references put
+    # lease id -> the shared-memory segment or Ray object of its latest export (one each: a new export of the
+    # same lease drops the one before, so repeated pulls of a lease hold no more memory than one)
+    segments: dict[str, str] = field(default_factory=dict)
+    objects: dict[str, object] = field(default_factory=dict)
 
     def http(self) -> httpx.AsyncClient:
         if self.client is None:
@@ -60,6 +65,9 @@ class Disaggregation:
 
 def check_role(state, kv: KVTransferParams, num_prompts: int, stream: bool) -> None:
     role = state.disagg.role
+    if role is None:
+        raise APIError(400, "this worker runs without --kv-role: it takes no part in disaggregated serving",
+                       "kv_transfer_params", "kv_role_mismatch")
     if kv.do_remote_decode and role == "decode":
         raise APIError(400, "this worker runs with --kv-role decode: it does not prefill for others",
                        "kv_transfer_params", "kv_role_mismatch")
@@ -84,12 +92,32 @@ async def adapter_salt(state, lora: LoRARequest | None) -> str | None:
     return (await asyncio.wrap_future(loras.submit(lora))).cache_key
 
 
-async def lease(state, prompt_ids: list[int], lora: LoRARequest | None) -> dict:
-    """The prefill half is done: pin the prompt's blocks and describe them for the decode worker."""
+async def lease(state, prompt_ids: list[int], lora: LoRARequest | None, first_token_id: int | None) -> dict:
+    """The prefill half is done: pin the prompt's blocks and describe them for the decode worker, sealed."""
     engine = state.engine.engine
     salt = await adapter_salt(state, lora)
     held = await state.engine.call(lambda: engine.kv_transfer.lease(prompt_ids, salt))
-    return held.public(engine.kv.block_size, engine.kv_format.name, engine.kv_transfer.lease_s)
+    handle = held.public(engine.kv.block_size, engine.kv_format.name, engine.kv_transfer.lease_s)
+    if first_token_id is not None:
+        handle["first_token_id"] = first_token_id
+    return state.peer_key.seal(handle, engine.kv_transfer.lease_s)
+
+
+def sealed(state, kv: KVTransferParams | None) -> KVTransferParams | None:
+    """A decode half's parameters when its handle's seal holds; None (compute the prompt here, first token
+    included) when it does not, or a 502 under --kv-load-failure fail."""
+    if kv is None or not kv.do_remote_prefill:
+        return kv
+    try:
+        state.peer_key.unseal(kv.handle())
+    except ValueError as e:
+        state.metrics.kv_failures.labels("bad_handle").inc()
+        log.warning("KV handle from %s refused (%s); %s", kv.remote_url, e,
+                    "computing the prompt here" if state.disagg.load_failure == "recompute" else "failing the request")
+        if state.disagg.load_failure == "fail":
+            raise APIError(502, f"KV transfer refused: {e}", code="kv_transfer_failed") from None
+        return None
+    return kv
 
 
 async def pull(state, prompt_ids: list[int], kv: KVTransferParams, lora: LoRARequest | None) -> None:
@@ -147,6 +175,10 @@ class TransferFailed(Exception):
 
 
 async def _pull(state, engine, prompt_ids: list[int], kv: KVTransferParams, salt: str | None) -> None:
+    try:
+        state.peer_key.unseal(kv.handle())
+    except ValueError as e:  # a handle that expired while this request waited
+        raise TransferFailed("bad_handle", str(e)) from None
     if kv.block_size != engine.kv.block_size or kv.kv_format != engine.kv_format.name:
         raise TransferFailed("mismatch", f"blocks of {kv.block_size} tokens in {kv.kv_format}; this worker has "
                                          f"{engine.kv.block_size} in {engine.kv_format.name}")
@@ -187,36 +219,57 @@ async def _fetch(state, kv: KVTransferParams, start: int) -> tuple[str, bytes | 
     """(transport, the blocks from `start` on): through shared memory from a worker on this host, the Ray
     object store from one in the same Ray cluster, else TCP. Where the chosen way turns out unavailable (another
     host after all, a prefill worker outside our Ray cluster), the lease is still there and TCP takes it."""
-    url = f"{kv.remote_url.rstrip('/')}/v1/kv/leases/{kv.lease_id}"
     transport = _transport(state.disagg, kv.remote_url)
     if transport == "tcp":
-        return "tcp", (await _get(state, url, {"start": start})).content
+        return "tcp", (await _get(state, kv, {"start": start})).content
     if transport == "ray" and state.disagg.ray_cluster is None:
         raise TransferFailed("mismatch", "--kv-transport ray needs --ray-address (this worker is not in a Ray "
                                          "cluster)")
-    handle = (await _get(state, url, {"start": start, "via": transport})).json()
+    handle = _json_object(await _get(state, kv, {"start": start, "via": transport}))
+    size = handle.get("bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise TransferFailed("bad_payload", "the export's answer names no byte count")
     if transport == "shm":
         try:
-            return "shm", await asyncio.to_thread(kv_shm.take, handle["name"], handle["bytes"])
+            return "shm", await asyncio.to_thread(kv_shm.take, handle.get("name"), size)
         except FileNotFoundError:  # the same name, another machine after all
-            return "tcp", (await _get(state, url, {"start": start})).content
-        except ValueError as e:
+            return "tcp", (await _get(state, kv, {"start": start})).content
+        except (ValueError, OSError) as e:
             raise TransferFailed("bad_payload", str(e)) from None
-    if handle.get("cluster") != state.disagg.ray_cluster:
-        return "tcp", (await _get(state, url, {"start": start})).content
+    if handle.get("cluster") != state.disagg.ray_cluster or not isinstance(handle.get("object_ref"), str):
+        return "tcp", (await _get(state, kv, {"start": start})).content
     try:
         data = await asyncio.to_thread(kv_ray.take, handle["object_ref"], state.disagg.pull_timeout_s)
     except kv_ray.errors() as e:
         raise TransferFailed("timeout" if isinstance(e, TimeoutError) else "unreachable", repr(e)) from None
-    if len(data) != handle["bytes"]:
-        raise TransferFailed("bad_payload", f"{len(data)} bytes in the object store; the handle said "
-                                            f"{handle['bytes']}")
+    except ValueError as e:
+        raise TransferFailed("bad_payload", str(e)) from None
+    if len(data) != size:
+        raise TransferFailed("bad_payload", f"{len(data)} bytes in the object store; the handle said {size}")
     return "ray", data
 
 
-async def _get(state, url: str, params: dict) -> httpx.Response:
+def _json_object(response: httpx.Response) -> dict:
     try:
-        response = await state.disagg.http().get(url, params=params)
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise TransferFailed("bad_payload", "the export's answer is not a JSON object")
+    return body
+
+
+def lease_target(lease_id: str, params: dict | None = None) -> str:
+    """The peer route of a lease (its id is 32 hex digits: checked by KVTransferParams), with its query."""
+    query = f"?{urlencode(params)}" if params else ""
+    return f"{PEER_PREFIX}/v1/kv/leases/{lease_id}{query}"
+
+
+async def _get(state, kv: KVTransferParams, params: dict) -> httpx.Response:
+    target = lease_target(kv.lease_id, params)
+    try:
+        response = await state.disagg.http().get(kv.remote_url.rstrip("/") + target,
+                                                 headers=state.peer_key.sign("GET", target))
     except httpx.TimeoutException as e:
         raise TransferFailed("timeout", repr(e)) from None
     except httpx.HTTPError as e:
@@ -230,87 +283,17 @@ async def _get(state, url: str, params: dict) -> httpx.Response:
 
 def release(state, kv: KVTransferParams) -> None:
     """Acknowledges the lease in the background; if that fails, the lease expires on its own."""
+    target = lease_target(kv.lease_id)
+
     async def acknowledge() -> None:
         try:
-            await state.disagg.http().delete(f"{kv.remote_url.rstrip('/')}/v1/kv/leases/{kv.lease_id}")
+            await state.disagg.http().delete(kv.remote_url.rstrip("/") + target,
+                                             headers=state.peer_key.sign("DELETE", target))
         except httpx.HTTPError:
             pass
     task = asyncio.get_running_loop().create_task(acknowledge())
     state.background.add(task)
     task.add_done_callback(state.background.discard)
-
-
-def kv_routes(state) -> APIRouter:
-    router = APIRouter()
-    engine = state.engine.engine
-
-    @router.get("/v1/kv/info")
-    async def info() -> dict:
-        """What a router checks before pairing workers: same model, block size and KV format; and the Ray cluster
-        this worker joined (its GCS address), if any."""
-        return {"kv_role": state.disagg.role, "model": state.model_name, "block_size": engine.kv.block_size,
-                "kv_format": engine.kv_format.name, "lease_s": engine.kv_transfer.lease_s,
-                "ray_cluster": state.disagg.ray_cluster}
-
-    @router.get("/v1/kv/leases/{lease_id}", response_class=Response,
-                responses={200: {"content": {"application/octet-stream": {}}, "description": "the blocks' KV"}})
-    async def export(lease_id: str, start: int = 0, via: Literal["tcp", "shm", "ray"] = "tcp") -> Response:
-        """The lease's blocks from `start` on, in the body (tcp), or named in a JSON body: a shared-memory
-        segment (shm; for a decode worker on this host, which unlinks it) or an object in the Ray object store
-        (ray; for a decode worker in this worker's Ray cluster, which the body names)."""
-        if start < 0:
-            raise APIError(400, "start must be >= 0", "start")
-        if via == "ray" and state.disagg.ray_cluster is None:
-            raise APIError(400, "this worker is not in a Ray cluster (serve --ray-address): pull over tcp",
-                           "via", "kv_transport_unavailable")
-        try:
-            if via == "shm":  # gathered straight into the segment
-                name, size, count = await state.engine.call(lambda: _export_to_segment(engine, lease_id, start))
-            else:
-                data, count = await state.engine.call(lambda: _export(engine, lease_id, start))
-                size = len(data)
-        except KeyError as e:
-            raise APIError(404, e.args[0], code="kv_lease_not_found") from None
-        state.metrics.kv_blocks.labels("out", via).inc(count)
-        state.metrics.kv_bytes.labels("out", via).inc(size)
-        headers = {"x-kv-blocks": str(count), "x-kv-format": engine.kv_format.name}
-        if via == "shm":
-            state.disagg.segments.setdefault(lease_id, []).append(name)
-            return JSONResponse({"name": name, "bytes": size}, headers=headers)
-        if via == "ray":
-            serialized, ref = await asyncio.to_thread(kv_ray.put, data)
-            state.disagg.objects.setdefault(lease_id, []).append(ref)
-            return JSONResponse({"object_ref": serialized, "bytes": len(data), "cluster": state.disagg.ray_cluster},
-                                headers=headers)
-        return Response(data, media_type="application/octet-stream", headers=headers)
-
-    @router.delete("/v1/kv/leases/{lease_id}")
-    async def release(lease_id: str) -> dict:
-        released = await state.engine.call(lambda: engine.kv_transfer.release(lease_id))
-        _discard_segments(state, lease_id)
-        if not released:
-            raise APIError(404, f"no live KV lease {lease_id!r}", code="kv_lease_not_found")
-        return {"lease_id": lease_id, "released": True}
-
-    return router
-
-
-def _export(engine, lease_id: str, start: int) -> tuple[memoryview, int]:
-    lease = engine.kv_transfer.live(lease_id)
-    count = max(len(lease.block_ids) - start, 0)
-    return engine.kv_transfer.export(lease_id, start), count
-
-
-def _export_to_segment(engine, lease_id: str, start: int) -> tuple[str, int, int]:
-    """(segment name, bytes, blocks): the lease's blocks from start on, gathered into a new segment."""
-    transfer = engine.kv_transfer
-    count = max(len(transfer.live(lease_id).block_ids) - start, 0)
-    size = transfer.export_size(lease_id, start)
-
-    def fill(view: memoryview) -> None:
-        if size:
-            transfer.export(lease_id, start, out=torch.frombuffer(view, dtype=torch.uint8))
-    return kv_shm.write_with(size, fill), size, count
 
 
 async def expire_leases(state, every_s: float = 1.0) -> None:
@@ -323,12 +306,12 @@ async def expire_leases(state, every_s: float = 1.0) -> None:
             if expired:
                 log.warning("%d KV lease(s) expired unclaimed; their blocks are free again", expired)
         for lease_id in {*state.disagg.segments, *state.disagg.objects} - engine.kv_transfer.leases.keys():
-            _discard_segments(state, lease_id)
+            discard_exports(state, lease_id)
 
 
-def _discard_segments(state, lease_id: str) -> None:
-    """Segments and objects of a lease that is over: the segments its decode worker took are gone already."""
-    for name in state.disagg.segments.pop(lease_id, []):
+def discard_exports(state, lease_id: str) -> None:
+    """The segment and object of a lease's last export (its decode worker took the segment, if it came)."""
+    if (name := state.disagg.segments.pop(lease_id, None)) is not None:
         kv_shm.discard(name)
-    if refs := state.disagg.objects.pop(lease_id, []):
-        kv_ray.free(refs)
+    if (ref := state.disagg.objects.pop(lease_id, None)) is not None:
+        kv_ray.free([ref])

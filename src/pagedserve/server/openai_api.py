@@ -17,9 +17,10 @@ from pagedserve.server.completions import create_completion
 from pagedserve.server.embeddings import create_embeddings
 from pagedserve.server.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from pagedserve.server.errors import APIError, install_error_handlers
-from pagedserve.server.kv_transfer import expire_leases, kv_routes
+from pagedserve.server.kv_transfer import expire_leases
 from pagedserve.server.lora_routes import lora_routes
 from pagedserve.server.middleware import RequestGuard
+from pagedserve.server.peer_routes import peer_routes
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -34,7 +35,7 @@ from pagedserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedserve.server.serving import RequestContext, ServerState, until_disconnect
+from pagedserve.server.serving import RequestContext, ServerState, respond, until_disconnect
 from pagedserve.server.tools import ToolPlan
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -44,7 +45,8 @@ ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or server-sent events "
                                                                           "when stream is true"}}
 KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/tokenize",
-               "/detokenize", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+               "/detokenize", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+               "/internal/v1/completions", "/internal/v1/chat/completions", "/internal/v1/kv/info"}
 
 
 def create_app(state: ServerState, api_key: str | None = None,
@@ -71,7 +73,8 @@ def create_app(state: ServerState, api_key: str | None = None,
     auth = [] if api_key is None else [Depends(_auth_dependency(api_key))]
     app.include_router(_api_routes(state, auth))
     app.include_router(lora_routes(state), dependencies=auth, responses=ROUTE_ERRORS)
-    app.include_router(kv_routes(state), dependencies=auth, responses=ROUTE_ERRORS)
+    if state.disagg.role is not None:  # a disaggregated worker: its peers' routes, signed, not --api-key's
+        app.include_router(peer_routes(state))
     app.include_router(_open_routes(state))
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes,
                        on_response=lambda path, status: state.metrics.record_request(
@@ -100,12 +103,12 @@ def _api_routes(state: ServerState, auth: list) -> APIRouter:
     @r.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_DOC)
     async def completions(req: CompletionRequest, request: Request) -> Response:
         ctx = RequestContext.build(req.priority, req.timeout, request.headers)
-        return await until_disconnect(request, _respond(create_completion(state, req, ctx), ctx))
+        return await until_disconnect(request, respond(create_completion(state, req, ctx), ctx))
 
     @r.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_DOC)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         ctx = RequestContext.build(req.priority, req.timeout, request.headers)
-        return await until_disconnect(request, _respond(create_chat_completion(state, req, ctx), ctx))
+        return await until_disconnect(request, respond(create_chat_completion(state, req, ctx), ctx))
 
     @r.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def embeddings(req: EmbeddingRequest) -> EmbeddingResponse:
@@ -159,13 +162,6 @@ def _open_routes(state: ServerState) -> APIRouter:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return r
-
-
-async def _respond(work, ctx: RequestContext) -> Response:
-    result = await work
-    if isinstance(result, Response):
-        return result
-    return JSONResponse(result.model_dump(mode="json"), headers=ctx.headers)
 
 
 def _model_cards(state: ServerState) -> list[ModelCard]:

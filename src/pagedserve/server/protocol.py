@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 import uuid
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -92,16 +93,19 @@ class ResponseFormat(StrictModel):
 
 
 class KVTransferParams(StrictModel):
-    """Set by the router, not by clients: which half of a disaggregated request this is."""
+    """Internal to a pagedserve cluster: which half of a disaggregated request this is. Accepted only on the
+    peer routes (server/peer_routes.py), which its router signs; a client's request never carries it."""
     do_remote_decode: bool = Field(False, description="prefill here, decode elsewhere: answer with a lease")
     do_remote_prefill: bool = Field(False, description="the prompt was computed elsewhere: pull its KV first")
-    remote_url: Text | None = Field(None, description="the prefill worker's base URL")
-    lease_id: Text | None = Field(None, max_length=64)
+    remote_url: Text | None = Field(None, max_length=512, description="the prefill worker's base URL (an origin)")
+    lease_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     num_blocks: int | None = Field(None, ge=0, le=1 << 20)
     block_size: int | None = Field(None, ge=1, le=1 << 16)
-    kv_format: Text | None = Field(None, max_length=32)
-    tokens_sha: Text | None = Field(None, max_length=64)
+    kv_format: str | None = Field(None, pattern=r"^[a-z0-9_]{1,32}$")
+    tokens_sha: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     expires_in_s: float | None = None
+    expires_at: float | None = Field(None, description="when the sealed handle stops being valid (Unix time)")
+    signature: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="the prefill worker's seal")
     first_token_id: int | None = Field(None, ge=0, description="the first output token, sampled by the prefill "
                                        "worker: the decode worker streams it at once and goes on from it")
 
@@ -110,12 +114,31 @@ class KVTransferParams(StrictModel):
         if self.do_remote_decode == self.do_remote_prefill:
             raise ValueError("kv_transfer_params: set exactly one of do_remote_decode and do_remote_prefill")
         if self.do_remote_prefill and None in (self.remote_url, self.lease_id, self.num_blocks, self.block_size,
-                                               self.kv_format, self.tokens_sha):
-            raise ValueError("kv_transfer_params with do_remote_prefill needs remote_url, lease_id, num_blocks, "
-                             "block_size, kv_format and tokens_sha (the prefill worker's handle)")
-        if self.remote_url is not None and not self.remote_url.startswith(("http://", "https://")):
-            raise ValueError("kv_transfer_params.remote_url must be an http(s) URL")
+                                               self.kv_format, self.tokens_sha, self.expires_at, self.signature):
+            raise ValueError("kv_transfer_params with do_remote_prefill needs remote_url and the prefill worker's "
+                             "sealed handle (lease_id, num_blocks, block_size, kv_format, tokens_sha, expires_at, "
+                             "signature)")
+        if self.remote_url is not None:
+            _check_origin(self.remote_url)
         return self
+
+    def handle(self) -> dict:
+        """The fields the prefill worker sealed (server/peer_auth.py): all but the routing ones."""
+        return self.model_dump(exclude={"do_remote_decode", "do_remote_prefill", "remote_url"}, exclude_none=True)
+
+
+def _check_origin(url: str) -> None:
+    """A peer's base URL is scheme://host[:port] and nothing else: no credentials, path, query or fragment
+    that could steer a pull elsewhere."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if (parts.scheme not in ("http", "https") or not parts.hostname or parts.username is not None
+            or parts.password is not None or parts.path not in ("", "/") or parts.query or parts.fragment
+            or port == -1):
+        raise ValueError("kv_transfer_params.remote_url must be a peer's origin, http(s)://host[:port]")
 
 
 class SamplingFields(StrictModel):
@@ -153,8 +176,14 @@ class SamplingFields(StrictModel):
     timeout: float | None = Field(None, gt=0, description="pagedserve extra: seconds to the last token; past "
                                                           "it a 504, and a request that cannot make it is "
                                                           "refused at once; also the x-request-timeout header")
-    kv_transfer_params: KVTransferParams | None = Field(
-        None, description="pagedserve/vLLM extra for disaggregated prefill/decode (set by the router)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_internal_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "kv_transfer_params" in data and "kv_transfer_params" not in cls.model_fields:
+            raise ValueError("kv_transfer_params is internal to a pagedserve cluster: its router sets it on the "
+                             "workers' peer routes, never a client")
+        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -30,6 +30,7 @@ from pagedserve.server.kv_transfer import (
     release,
 )
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
+from pagedserve.server.peer_auth import PeerKey
 from pagedserve.server.protocol import KVTransferParams, PromptTokensDetails, SamplingFields, Usage
 from pagedserve.server.tool_parsers import HermesParser, ToolParser
 
@@ -47,6 +48,7 @@ class ServerState:
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters served, by the name clients use
     disagg: Disaggregation = field(default_factory=Disaggregation)  # --kv-role and the transfer's settings
     background: set = field(default_factory=set)  # fire-and-forget tasks (lease acknowledgements)
+    peer_key: PeerKey | None = None  # the cluster secret: what internal routes check (server/peer_auth.py)
 
     def response_model(self, requested: str | None) -> str:
         """The `model` a response names: the adapter asked for, else the base model."""
@@ -332,9 +334,8 @@ async def prefill_handle(state: ServerState, call: Call, outputs: list[RequestOu
     token it sampled."""
     if call.kv_transfer is None or not call.kv_transfer.do_remote_decode:
         return None
-    handle = await lease(state, call.prompt_ids[0], call.lora)
     tokens = outputs[0].outputs[0].token_ids if outputs and outputs[0].outputs else []
-    return {**handle, "first_token_id": tokens[0]} if tokens else handle
+    return await lease(state, call.prompt_ids[0], call.lora, tokens[0] if tokens else None)
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:
@@ -354,6 +355,14 @@ def token_text(state: ServerState, token_id: int, decoded: str | None) -> str:
 async def _wait_for_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def respond(work: Awaitable[Any], ctx: RequestContext) -> Response:
+    """An endpoint's result as the HTTP response: a stream as it is, a body as JSON with ctx's headers."""
+    result = await work
+    if isinstance(result, Response):
+        return result
+    return JSONResponse(result.model_dump(mode="json"), headers=ctx.headers)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
