@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -13,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
+REQUEST_ID_HEADER = "x-request-id"
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -60,7 +64,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     kind = err.get("type", "")
     if kind == "json_invalid":
         return "request body is not valid JSON", None
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden":  # the unknown key itself, whatever it looks like (its loc's last part)
+        loc = err.get("loc", ())
+        param = ".".join(str(p) for p in (loc[1:] if loc[:1] == ("body",) else loc)) or param
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":
         if param is None:
@@ -123,21 +129,40 @@ def _field_path(loc: tuple) -> tuple[str | None, str]:
     return ".".join(parts) or None, item
 
 
+def request_id(request: Request) -> str:
+    """The client's x-request-id when it is a plain token, else a new one: what ties a log line to an answer."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    return given if _PLAIN_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+
+
+def _answered(request: Request, status: int, body: ErrorResponse, headers: dict[str, str] | None) -> JSONResponse:
+    """The error as sent; a client's error (4xx) also gets one log line saying why, and the request id in a
+    header, so that the reason is in the log and not only in the body."""
+    response = JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    if 400 <= status < 500:
+        rid = request_id(request)
+        response.headers[REQUEST_ID_HEADER] = rid
+        error = body.error
+        logger.info("%s %s -> %d %s param=%r code=%s request=%s: %r", request.method, request.url.path, status,
+                    error.type, error.param, error.code, rid, error.message[:300])
+    return response
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body().model_dump(), status_code=exc.status, headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _answered(request, exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        return error_response(400, message, param)
+        return _answered(request, 400, error_body(400, message, param), None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = 400 if exc.status_code == 422 else exc.status_code
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
-        return error_response(status, detail, headers=exc.headers)  # a 405 keeps its Allow
+        return _answered(request, status, error_body(status, detail), exc.headers)  # a 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
