@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from pagedserve import LLM, LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
-from tests.lora_support import ADAPTERS, lora, make_adapters
+from tests.lora_support import ADAPTERS, lora, make_adapters, write_adapter
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
@@ -86,25 +85,18 @@ def test_bf16_path_stays_close(adapters, prompts):
     assert sum(x[:4] == y[:4] for x, y in zip(a, b)) >= 2
 
 
-def write_adapter(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    return str(folder)
-
-
 def test_bad_adapters_are_refused_with_the_reason(tmp_path, adapters):
     llm = LLM(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_lora_rank=8)
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
     cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
     cases = {
         "rank 16, over --max-lora-rank 8": (str(adapters["all16"][0]), "over --max-lora-rank"),
-        "another base model": (write_adapter(tmp_path / "wide", cfg, {key.format("A"): torch.zeros(4, 1024),
-                                                                     key.format("B"): torch.zeros(576, 4)}),
+        "another base model": (str(write_adapter(tmp_path / "wide", cfg, {key.format("A"): torch.zeros(4, 1024),
+                                                                         key.format("B"): torch.zeros(576, 4)})),
                                "another base model"),
         "corrupt file": (str(tmp_path / "corrupt"), "cannot read adapter_model.safetensors"),
         "no folder": (str(tmp_path / "missing"), "cannot read"),
-        "lora_B missing": (write_adapter(tmp_path / "half", cfg, {key.format("A"): torch.zeros(4, 576)}), "lacks"),
+        "lora_B missing": (str(write_adapter(tmp_path / "half", cfg, {key.format("A"): torch.zeros(4, 576)})), "lacks"),
     }
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "adapter_config.json").write_text(json.dumps(cfg))

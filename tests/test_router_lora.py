@@ -12,7 +12,7 @@ import pytest
 from router_support import REPLICA_ARGS, RouterProcess, metric_sum, served_by, wait_for
 
 from pagedserve.cluster.launcher import LocalCluster
-from tests.lora_support import make_adapters
+from tests.lora_support import load_adapter, make_adapters
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -34,9 +34,9 @@ def replica_models(router: RouterProcess) -> dict[str, list[str]]:
 
 def test_adapters_route_to_holders_and_load_on_demand(cluster, adapters, tmp_path):
     urls = cluster.urls()
-    # attn8 on the first replica only, loaded behind the router's back: the router learns it from /v1/models.
-    httpx.post(urls[0] + "/v1/load_lora_adapter", timeout=60,
-               json={"lora_name": "attn8", "lora_path": str(adapters["attn8"][0])}).raise_for_status()
+    # attn8 on the first replica only, loaded behind the router's back (by another peer of the cluster, signed with
+    # the session's secret): the router learns it from /v1/models.
+    load_adapter(urls[0], "attn8", adapters["attn8"][0]).raise_for_status()
     config = {"policy": "least_load", "health_interval_s": 0.3, "lora_spill_inflight": 1,
               "lora_modules": {name: str(adapters[name][0]) for name in ("attn8", "mlp4", "all16")},
               "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(urls)]}

@@ -1,6 +1,7 @@
 """LoRA adapters over HTTP (a real `pagedserve serve --enable-lora`, the official openai client): adapters given
-at start-up and loaded at run time, chosen by `model`, served together, listed in /v1/models, unloaded; bad
-adapters are 4xx errors and the server keeps serving."""
+at start-up and loaded at run time (by a signed peer), chosen by `model`, served together, listed in /v1/models,
+unloaded; bad adapters are 4xx errors and the server keeps serving. tests/test_lora_hardening.py has the hostile
+ones."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ import openai
 import pytest
 
 from tests.conftest import hf_greedy
-from tests.lora_support import make_adapters
+from tests.lora_support import LOAD, load_adapter, make_adapters, signed_post, unload_adapter
 from tests.server_support import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -76,19 +77,18 @@ def test_adapters_by_model_name_match_peft_and_run_together(server, adapters, ex
 
 def test_load_and_unload_at_run_time(server, adapters, expected, prompt):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300)
-    body = {"lora_name": "all16", "lora_path": str(adapters["all16"][0])}
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json=body, timeout=120)
+    r = load_adapter(server, "all16", adapters["all16"][0])
     assert r.status_code == 200, r.text
     assert "all16" in {c["id"] for c in httpx.get(f"{server}/v1/models").json()["data"]}
     r = client.completions.create(model="all16", prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
                                   extra_body={"min_tokens": NUM_TOKENS})
     assert r.choices[0].text == httpx.post(f"{server}/detokenize", json={"tokens": expected["all16"]}).json()["prompt"]
-    assert httpx.post(f"{server}/v1/load_lora_adapter", json=body).status_code == 400  # already served
-    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "all16"})
+    assert load_adapter(server, "all16", adapters["all16"][0]).status_code == 400  # already served
+    r = unload_adapter(server, "all16")
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="all16", prompt="hi", max_tokens=2)
-    assert httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "all16"}).status_code == 404
+    assert unload_adapter(server, "all16").status_code == 404
 
 
 @pytest.mark.parametrize(("body", "status", "message"), [
@@ -98,7 +98,7 @@ def test_load_and_unload_at_run_time(server, adapters, expected, prompt):
     ({"lora_name": "x"}, 400, None),
 ])
 def test_bad_loads_are_errors_and_the_server_keeps_serving(server, body, status, message):
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json=body, timeout=60)
+    r = signed_post(server, LOAD, body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and (message is None or message in error["message"])

@@ -1,6 +1,8 @@
 """The adapters an engine holds in memory: loaded off the step thread, kept least-recently-used up to
 max_cpu_loras (pinned ones never evicted). An adapter's identity for the prefix cache is its weights' digest, so a
-reload with other weights under the same name never meets the old KV."""
+reload with other weights under the same name never meets the old KV. One loader thread reads every adapter in
+turn, and a load already under way for a request is shared, not queued again (a burst of requests for an
+evicted adapter reads it once)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -25,6 +27,7 @@ class LoRAManager:
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.pinned: set[str] = set()
         self.loads = self.evictions = 0  # since start, for /metrics
+        self._loading: dict[LoRARequest, concurrent.futures.Future] = {}  # loads queued or under way
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-load")
 
@@ -38,26 +41,36 @@ class LoRAManager:
             return adapter
 
     def submit(self, request: LoRARequest) -> concurrent.futures.Future:
-        """Loads off the calling thread (a loaded adapter comes back as a finished future)."""
+        """Loads off the calling thread (a loaded adapter comes back as a finished future, one being loaded as
+        that load's future)."""
         adapter = self.get(request)
         if adapter is not None:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(adapter)
             return done
-        return self._pool.submit(self.load, request)
+        with self._lock:
+            future = self._loading.get(request)
+            if future is None:
+                future = self._loading[request] = self._pool.submit(self.load, request)
+            return future
 
     def load(self, request: LoRARequest, pin: bool = False) -> LoRAAdapter:
         """Reads and prepares the adapter; ValueError when it cannot serve this model."""
         start = time.perf_counter()
-        adapter = load_adapter(request.lora_path, self.config, request.lora_name, request.lora_int_id,
-                               self.max_lora_rank, self.dtype)
-        with self._lock:
-            self.loads += 1
-            self.adapters.pop(request.lora_name, None)
-            self.adapters[request.lora_name] = adapter
-            if pin:
-                self.pinned.add(request.lora_name)
-            self._evict()
+        adapter = None
+        try:
+            adapter = load_adapter(request.lora_path, self.config, request.lora_name, request.lora_int_id,
+                                   self.max_lora_rank, self.dtype)
+        finally:
+            with self._lock:  # no longer loading and now loaded at once: a submit between would load it again
+                self._loading.pop(request, None)
+                if adapter is not None:
+                    self.loads += 1
+                    self.adapters.pop(request.lora_name, None)
+                    self.adapters[request.lora_name] = adapter
+                    if pin:
+                        self.pinned.add(request.lora_name)
+                    self._evict()
         logger.info("loaded LoRA adapter %s (rank %d, %.1f MB) from %s in %.0f ms", adapter.name, adapter.rank,
                     adapter.nbytes / 1e6, adapter.path, (time.perf_counter() - start) * 1e3)
         return adapter

@@ -4,29 +4,43 @@ of a step (one C++ call per projection over all of them, SGMV-style, never a loo
 At load an adapter is regrouped onto our fused projections: for qkv_proj (q, k, v) and gate_up_proj (gate,
 up) the parts' A matrices stack along the rank and B places each part's rows in its slice of the fused
 output (zero elsewhere), so x @ A^T @ B^T is the whole fused delta. The scaling (lora_alpha / r, or
-lora_alpha / sqrt(r) with rsLoRA; per-module alpha_pattern honoured) is folded into B.
+lora_alpha / sqrt(r) with rsLoRA; per-module alpha_pattern and rank_pattern honoured) is folded into B.
+
+An adapter's files are read as hostile input: only regular files within the size its declared rank allows,
+its config validated field by field (model/lora_config.py), every tensor a finite float matrix of the base
+layer's sizes and the config's rank. Whatever is wrong is a ValueError saying what.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
-import json
-import math
+import os
 import re
+import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from pagedserve.model.kernels import cpu_kernels
+from pagedserve.model.lora_config import MAX_CONFIG_BYTES, AdapterConfig, parse_config
 from pagedserve.model.model_config import ModelConfig
 
 # PEFT module name -> (our fused module, which part of its output)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
-KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # where each sits in a decoder layer
+KEY = re.compile(r"layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+MAX_KEY_CHARS = 256
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+HEADER_BYTES = 1 << 20  # allowance for the safetensors header (~150 bytes a tensor)
+# Only regular files are read: O_NOFOLLOW keeps a planted symlink from leading out of the folder, O_NONBLOCK
+# keeps a FIFO from blocking the loader thread (and every load queued behind it), and the file's type and size
+# are checked on the descriptor itself, so nothing can be swapped in between the check and the read.
+OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 @dataclass(slots=True)
@@ -75,77 +89,115 @@ def part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 def load_adapter(path: str | Path, config: ModelConfig, name: str, int_id: int, max_rank: int,
                  dtype: torch.dtype) -> LoRAAdapter:
     """Reads a PEFT adapter folder; ValueError with the reason when it cannot serve this base model."""
-    folder = Path(path)
     try:
-        cfg = json.loads((folder / "adapter_config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"adapter '{name}': cannot read {folder / 'adapter_config.json'}: {exc}") from None
-    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora"):
-        raise ValueError(f"adapter '{name}': only plain LoRA adapters are supported (got {cfg.get('peft_type')}"
-                         f"{', DoRA' if cfg.get('use_dora') else ''})")
-    try:
-        tensors = load_file(str(folder / "adapter_model.safetensors"))
-    except (OSError, SafetensorError) as exc:
-        raise ValueError(f"adapter '{name}': cannot read adapter_model.safetensors: {exc}") from None
-    parts = _collect(tensors, name, config.num_hidden_layers)
-    shapes = part_shapes(config)
-    layers: list[dict[str, LoRAWeights]] = [{} for _ in range(config.num_hidden_layers)]
-    ranks = [0]
-    for layer, modules in enumerate(parts):
-        fused: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-        for module, (a, b) in modules.items():
-            r = _check(name, layer, module, a, b, shapes[module], max_rank)
-            ranks.append(r)
-            scale = _alpha(cfg, f"model.layers.{layer}.{module}", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
-            fused_name, part = TARGETS[module]
-            fused.setdefault(fused_name, []).append((part, a, b * scale))
-        for fused_name, pieces in fused.items():
-            layers[layer][fused_name] = _fuse(pieces, fused_name, shapes, dtype)
-    return LoRAAdapter(name, int_id, str(folder), max(ranks), layers)
+        cfg = parse_config(read_regular(path, "adapter_config.json", MAX_CONFIG_BYTES, "an adapter_config.json"),
+                           max_rank)
+        shapes = part_shapes(config)
+        # float64 A and B of every module at the largest rank the config declares, and a header
+        limit = HEADER_BYTES + 8 * cfg.max_rank * config.num_hidden_layers * sum(o + i for o, i in shapes.values())
+        data = read_regular(path, "adapter_model.safetensors", limit,
+                            f"the weights of a rank-{cfg.max_rank} adapter of this base model")
+        try:
+            tensors = safetensors.torch.load(data)
+        except Exception as exc:  # noqa: BLE001 - hostile bytes raise SafetensorError, TypeError, ...: all a 400
+            raise ValueError(f"cannot read adapter_model.safetensors: not a safetensors file ({exc})") from None
+        parts = _collect(tensors, config.num_hidden_layers)
+        layers = _layers(parts, cfg, shapes, dtype)
+    except ValueError as exc:
+        raise ValueError(f"adapter '{name}': {exc}") from None
+    rank = max((a.shape[0] for modules in parts for a, _ in modules.values()), default=0)
+    return LoRAAdapter(name, int_id, str(path), rank, layers)
 
 
-def _collect(tensors: dict[str, torch.Tensor], name: str, num_layers: int) -> list[dict]:
+def read_regular(folder: str | Path, name: str, limit: int, what: str) -> bytes:
+    """folder/name when it is a regular file of at most limit bytes (in the folder, or a symlink to a file in
+    it); ValueError otherwise."""
+    real = os.path.realpath(folder)
+    target = os.path.join(real, name)
+    try:
+        try:
+            fd = os.open(target, OPEN_FLAGS)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            resolved = os.path.realpath(target)
+            if os.path.commonpath([real, resolved]) != real:
+                raise ValueError(f"{target} is a symbolic link to outside the adapter's folder") from None
+            fd = os.open(resolved, OPEN_FLAGS)
+    except OSError as exc:
+        raise ValueError(f"cannot read {target}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{target} is not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{target} has {st.st_size} bytes, over the {limit} allowed for {what}")
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(st.st_size + 1)
+    finally:
+        os.close(fd)
+    if len(data) != st.st_size:  # a file that grew while read, or one whose size the kernel makes up (/proc)
+        raise ValueError(f"{target} changed while it was read")
+    return data
+
+
+def _collect(tensors: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, tuple[torch.Tensor, ...]]]:
     """Per layer: PEFT module -> (A, B)."""
     found: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(num_layers)]
     for key, t in tensors.items():
-        m = KEY.search(key)
+        m = KEY.search(key) if len(key) <= MAX_KEY_CHARS else None
         if m is None:
-            raise ValueError(f"adapter '{name}': unsupported tensor {key!r} (only lora_A / lora_B of "
+            raise ValueError(f"unsupported tensor {key[:MAX_KEY_CHARS]!r} (only lora_A / lora_B of "
                              f"{', '.join(TARGETS)} are)")
-        layer, module, which = int(m.group(1)), m.group(3), m.group(4)
-        if module not in TARGETS or layer >= num_layers:
-            raise ValueError(f"adapter '{name}': {key!r} targets a module this base model does not have")
-        found[layer].setdefault(module, {})[which] = t.float()
+        layer, block, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if BLOCK.get(module) != block or layer >= num_layers:
+            raise ValueError(f"{key!r} targets a module this base model does not have")
+        if which in found[layer].setdefault(module, {}):
+            raise ValueError(f"layer {layer} {module} has two lora_{which} tensors")
+        found[layer][module][which] = t
     out = []
     for layer, modules in enumerate(found):
         for module, ab in modules.items():
             if set(ab) != {"A", "B"}:
-                raise ValueError(f"adapter '{name}': layer {layer} {module} lacks its lora_{({'A', 'B'} - set(ab)).pop()}")
+                raise ValueError(f"layer {layer} {module} lacks its lora_{({'A', 'B'} - set(ab)).pop()}")
         out.append({module: (ab["A"], ab["B"]) for module, ab in modules.items()})
     return out
 
 
-def _check(name: str, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int],
-           max_rank: int) -> int:
+def _layers(parts: list[dict[str, tuple[torch.Tensor, ...]]], cfg: AdapterConfig, shapes: dict[str, tuple[int, int]],
+            dtype: torch.dtype) -> list[dict[str, LoRAWeights]]:
+    """Each layer's modules checked, scaled and fused."""
+    layers: list[dict[str, LoRAWeights]] = [{} for _ in parts]
+    for layer, modules in enumerate(parts):
+        fused: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for module, (a, b) in modules.items():
+            rank, scale = cfg.module(f"model.layers.{layer}.{BLOCK[module]}.{module}")  # as PEFT names it
+            _check(f"layer {layer} {module}", a, b, shapes[module], rank)
+            fused_name, part = TARGETS[module]
+            fused.setdefault(fused_name, []).append((part, a.float(), b.float() * scale))
+        for fused_name, pieces in fused.items():
+            w = layers[layer][fused_name] = _fuse(pieces, fused_name, shapes, dtype)
+            if not (torch.isfinite(w.a).all() and torch.isfinite(w.b).all()):
+                raise ValueError(f"layer {layer} {fused_name}: weights overflow {dtype} once scaled by lora_alpha")
+    return layers
+
+
+def _check(where: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int], rank: int) -> None:
+    """A and B of one module: float matrices of the base layer's sizes and the config's rank, finite."""
+    for which, t in (("lora_A", a), ("lora_B", b)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{where} {which} is {t.dtype}, not float16, bfloat16, float32 or float64")
+        if t.dim() != 2:
+            raise ValueError(f"{where} {which} has {t.dim()} dimensions, not 2")
     out_features, in_features = shape
-    r = a.shape[0]
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, r):
-        raise ValueError(f"adapter '{name}' was made for another base model: layer {layer} {module} has A "
-                         f"{tuple(a.shape)} and B {tuple(b.shape)}, expected ({r}, {in_features}) and "
-                         f"({out_features}, {r})")
-    if r > max_rank:
-        raise ValueError(f"adapter '{name}' has rank {r} (layer {layer} {module}), over --max-lora-rank {max_rank}")
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise ValueError(f"made for another base model: {where} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                         f"expected (r, {in_features}) and ({out_features}, r)")
+    if a.shape[0] != rank or b.shape[1] != rank:
+        raise ValueError(f"{where} has A {tuple(a.shape)} and B {tuple(b.shape)}, but adapter_config.json gives "
+                         f"it rank {rank} (r or rank_pattern)")
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        raise ValueError(f"adapter '{name}': layer {layer} {module} holds non-finite weights")
-    return r
-
-
-def _alpha(cfg: dict, module_path: str, r: int) -> float:
-    """lora_alpha, or the alpha_pattern entry whose key names this module (PEFT matches key suffixes)."""
-    for key, alpha in (cfg.get("alpha_pattern") or {}).items():
-        if re.fullmatch(rf"(.*\.)?{key}", module_path):
-            return float(alpha)
-    return float(cfg.get("lora_alpha", r))
+        raise ValueError(f"{where} holds non-finite weights")
 
 
 def _fuse(pieces: list[tuple[int, torch.Tensor, torch.Tensor]], fused_name: str, shapes: dict[str, tuple[int, int]],

@@ -5,33 +5,41 @@ An adapter loads on the engine's loader thread, never on its step thread. Unload
 once (new requests for it get a 404); requests already running under it finish with it. The engine may
 evict an adapter's weights from memory (--max-cpu-loras): the server still knows it, and the next request
 for it loads it again.
+
+Loading names a folder on this server's disk, so the load and unload routes answer only a cluster's signed
+peers (server/peer_auth.py: the router loading its lora_modules), never a client: 403 otherwise, and 403
+always on a server without a cluster secret, whose adapters are the --lora-modules it started with. One name
+loads once: a second load of a name being loaded is refused, not run beside the first.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
-from pagedserve.lora_request import LoRARequest
+from pagedserve.lora_request import LoRARequest, check_lora_name
 from pagedserve.server.errors import APIError
+from pagedserve.server.peer_auth import peer_dependency
 from pagedserve.server.protocol import StrictModel, Text
 from pagedserve.server.serving import ServerState
 
 _ids = itertools.count(1)
 TEXT_DOC: dict[int | str, dict] = {200: {"content": {"text/plain": {}}, "description": "a line saying what was done"}}
+LoRAName = Annotated[str, AfterValidator(check_lora_name)]
 
 
 class LoadLoRAAdapterRequest(StrictModel):
-    lora_name: Text = Field(min_length=1, max_length=128)
-    lora_path: Text = Field(min_length=1)
+    lora_name: LoRAName
+    lora_path: Text = Field(min_length=1, max_length=4096)
 
 
 class UnloadLoRAAdapterRequest(StrictModel):
-    lora_name: Text = Field(min_length=1, max_length=128)
+    lora_name: LoRAName
     lora_int_id: int | None = None
 
 
@@ -42,14 +50,20 @@ def parse_lora_modules(items: list[str]) -> list[tuple[str, str, str | None]]:
         if item.lstrip().startswith("{"):
             try:
                 obj = json.loads(item)
-                out.append((obj["name"], obj["path"], obj.get("base_model_name")))
+                name, path, base = obj["name"], obj["path"], obj.get("base_model_name")
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"--lora-modules {item!r}: expected JSON with name and path ({exc})") from None
+            if not isinstance(path, str) or not (base is None or isinstance(base, str)):
+                raise ValueError(f"--lora-modules {item!r}: path and base_model_name are strings")
         else:
             name, sep, path = item.partition("=")
-            if not sep or not name or not path:
+            base = None
+            if not sep or not path:
                 raise ValueError(f"--lora-modules {item!r}: expected name=path")
-            out.append((name, path, None))
+        try:
+            out.append((check_lora_name(name), path, base))
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {item!r}: {exc}") from None
     return out
 
 
@@ -68,23 +82,29 @@ def register_startup_adapters(state: ServerState, modules: list[tuple[str, str, 
 
 
 def lora_routes(state: ServerState) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(dependencies=[Depends(peer_dependency(state.peer_key, "run-time adapter loading"))])
+    loading: set[str] = set()  # names whose load is under way (the event loop's own: no lock needed)
 
     @r.post("/v1/load_lora_adapter", response_model=None, responses=TEXT_DOC)
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
-        loras = state.engine.engine.loras
+        loras, name = state.engine.engine.loras, req.lora_name
         if loras is None:
             raise APIError(400, "this server does not serve LoRA adapters (start it with --enable-lora)",
                            "lora_name")
-        if req.lora_name == state.model_name or req.lora_name in state.loras:
-            raise APIError(400, f"the model '{req.lora_name}' is already served; unload it first", "lora_name")
-        request = LoRARequest(req.lora_name, next(_ids), req.lora_path)
+        if name == state.model_name or name in state.loras:
+            raise APIError(400, f"the model '{name}' is already served; unload it first", "lora_name")
+        if name in loading:
+            raise APIError(400, f"the adapter '{name}' is already being loaded", "lora_name")
+        request = LoRARequest(name, next(_ids), req.lora_path)
+        loading.add(name)
         try:
             await asyncio.wrap_future(loras.submit(request))
         except ValueError as exc:
             raise APIError(400, str(exc), "lora_path") from None
-        state.loras[req.lora_name] = request
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+        finally:
+            loading.discard(name)
+        state.loras[name] = request
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @r.post("/v1/unload_lora_adapter", response_model=None, responses=TEXT_DOC)
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
