@@ -153,3 +153,13 @@ def stub_provider(name: str, log_dir: Path) -> tuple[Process, str]:
 
 def set_stub_mode(url: str, mode: str) -> None:
     httpx.post(url + "/_mode", json={"mode": mode}, timeout=5).raise_for_status()
+
+
+def set_stub_gate(url: str, is_open: bool) -> None:
+    """Holds the stand-in's answers at its gate (a stream after its first event), or lets them all through."""
+    httpx.post(url + "/_gate", json={"open": is_open}, timeout=5).raise_for_status()
+
+
+def stub_state(url: str) -> dict:
+    """The stand-in's counters: requests asked, callers that gave up, answers held at the gate, the last body."""
+    return httpx.get(url + "/_mode", timeout=5).json()
