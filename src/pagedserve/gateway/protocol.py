@@ -1,5 +1,7 @@
 """What the gateway reads from a request body. Unknown fields pass through to the provider, which
-validates them; the gateway's own extensions (route, sources, cache) are removed before forwarding.
+validates them; the gateway's own extensions (route, sources, cache) are removed before forwarding, and
+fields internal to a pagedserve cluster (INTERNAL_FIELDS) are refused: no client may set them. Text that
+JSON can carry but Unicode cannot (a lone UTF-16 surrogate) is refused in any field, known or not.
 
 The gateway also bounds what a request can cost before it is sent (prompt_bound, completion_bound): budgets
 and token limits reserve that worst case, so it must be a bound the provider's real usage cannot pass.
@@ -14,16 +16,35 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from pagedserve.gateway.errors import APIError
 
 EXTENSION_FIELDS = ("route", "sources", "cache")
+# Set by a pagedserve router on its workers' requests (disaggregated prefill/decode: a lease on KV blocks and
+# the peer to pull them from); a client that could send one would point a decode worker at any URL.
+INTERNAL_FIELDS = frozenset({"kv_transfer_params"})
 MAX_DEPTH = 64  # JSON nesting: tool schemas nest a dozen levels; 100,000 would overflow the parser's stack
 MAX_TOKENS = 1 << 24  # above any model's context: larger values are mistakes, and would overflow int64 nanodollars
 PROMPT_OVERHEAD = 64  # tokens a chat template may add beyond the body (role markers, a default system prompt)
 SourceName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\w.:/-]+$")]
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str = Field(description="a JSON object, as a string")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls")
+    tool_call_id: str | None = Field(None, description="a tool turn: the call it answers")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -34,6 +55,45 @@ class Message(BaseModel):
     def text_only(self) -> bool:
         """False when a content part is not text (an image, audio): the cache cannot tell two of them apart."""
         return not isinstance(self.content, list) or all(p.get("type", "text") == "text" for p in self.content)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class StreamOptions(BaseModel):
@@ -59,6 +119,11 @@ class GatewayRequest(BaseModel):
     def deterministic(self) -> bool:
         return self.temperature == 0 and self.n == 1
 
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the answer may call a tool (never cached, never handed to another request)."""
+        return False
+
     def completion_limit(self, default: int) -> int:
         """Tokens one choice may produce: what the request says, else `default` (which is then forwarded)."""
         return self.max_completion_tokens or self.max_tokens or default
@@ -70,6 +135,10 @@ class GatewayRequest(BaseModel):
 
 class ChatRequest(GatewayRequest):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
     def query(self) -> tuple[str | None, list]:
         """The last user message (what the semantic cache matches) and the rest of the conversation around
@@ -85,11 +154,15 @@ class ChatRequest(GatewayRequest):
     def text_only(self) -> bool:
         return all(m.text_only for m in self.messages)
 
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools or (self.model_extra or {}).get("functions"))
+
     def prompt_bound(self) -> int:
         """Prompt tokens cannot exceed the UTF-8 bytes of what reaches the template (a token is at least one
         byte) plus the template's own overhead; tools and functions are part of the prompt too."""
-        extra = self.model_extra or {}
-        parts = [m.model_dump(exclude_none=True) for m in self.messages] + [extra.get("tools"), extra.get("functions")]
+        tools = [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools or []]
+        parts = [m.model_dump(exclude_none=True) for m in self.messages] + [tools, (self.model_extra or {}).get("functions")]
         return _utf8_bytes(parts) + PROMPT_OVERHEAD
 
 
@@ -139,8 +212,39 @@ def too_deep(value, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
+def lone_surrogate(value) -> tuple[str | None, bool] | None:
+    """Where JSON carried text no UTF-8 encoder takes (a lone UTF-16 surrogate, "\\ud800"): the dotted path of
+    the string, or of the object whose field name holds it (None at the top), and whether it is a name.
+    None if there is none. Iterative, like too_deep."""
+    stack = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return ".".join(map(str, path)), False
+            continue
+        if isinstance(item, dict):
+            for k in item:
+                if not _encodable(k):
+                    return ".".join(map(str, path)) or None, True
+            entries = item.items()
+        else:
+            entries = enumerate(item)
+        stack.extend((v, (*path, k)) for k, v in entries if isinstance(v, (str, dict, list)))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def load_json_object(raw: bytes) -> dict:
-    """A request body as a JSON object; APIError(400) for anything else (bad UTF-8, too deep, not an object)."""
+    """A request body as a JSON object; APIError(400) for anything else (bad UTF-8, too deep, not an object,
+    a lone surrogate in any string: it would fail every encoder downstream, from SQLite to the tokenizer)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -149,6 +253,12 @@ def load_json_object(raw: bytes) -> dict:
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     if too_deep(body):
         raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+    found = lone_surrogate(body)
+    if found is not None:
+        param, in_name = found
+        where = "a field name" + (f" in '{param}'" if param else "") if in_name else f"parameter '{param}'"
+        raise APIError(400, f"text must be valid Unicode: a lone UTF-16 surrogate in {where}", param=param,
+                       code="invalid_value")
     return body
 
 
@@ -166,6 +276,10 @@ def parse_request(raw: bytes, kind: str) -> tuple[GatewayRequest, dict]:
     """The validated request and the body to forward; APIError(400) says what is wrong."""
     body = load_json_object(raw)
     model = ChatRequest if kind == "chat" else CompletionRequest
+    internal = sorted(INTERNAL_FIELDS & body.keys())
+    if internal:
+        raise APIError(400, f"{internal[0]} is internal to a pagedserve cluster (its router sets it between its "
+                       "workers); a client cannot send it", param=internal[0], code="invalid_value")
     try:
         request = model.model_validate(body)
     except ValidationError as e:

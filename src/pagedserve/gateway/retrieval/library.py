@@ -6,7 +6,7 @@ import asyncio
 import re
 
 from pagedserve.gateway.retrieval.hybrid_index import Hit
-from pagedserve.gateway.retrieval.indexer import Indexer, IndexInputError, IndexReport
+from pagedserve.gateway.retrieval.indexer import MAX_DOCUMENT_BYTES, Indexer, IndexInputError, IndexReport
 from pagedserve.gateway.retrieval.retriever import Retriever
 
 SOURCE_NAME = re.compile(r"[\w.:-]{1,128}")
@@ -28,6 +28,9 @@ class Library:
         check_source_name(source)
         if not files:
             raise IndexInputError("no documents to index (supported: .md .markdown .txt .text .rst .html .htm)")
+        large = [n for n, data in files.items() if len(data) > MAX_DOCUMENT_BYTES]
+        if large:
+            raise IndexInputError("; ".join(f"{n[:200]!r}: larger than {MAX_DOCUMENT_BYTES >> 20} MiB" for n in large))
         return await self.indexer.add(source, files, list(prune_prefixes))
 
     async def remove(self, source: str, names: list[str] | None = None) -> IndexReport:
