@@ -1,9 +1,11 @@
 """The gateway: an OpenAI-compatible service in front of providers. This module only wires the stages of
 the seed's flow, each in a module of its own:
 
-admission.py (auth, rate limit, daily budget) -> caching.py (semantic cache, fresh?) -> routing.py (small
-or large tier) -> retrieving.py (context from the route's knowledge source) -> provider_call.py + speculation.py (timeout, retry, fallback, breaker; a call started
-early) -> settle.py (real usage replaces the reservation, trace) -> caching.py (remember the answer).
+admission.py (auth, rate limit, daily budget) -> single_flight.py (an identical request already on its way?
+wait for its answer) -> caching.py (semantic cache, fresh?) -> routing.py (small or large tier) -> retrieving.py
+(context from the route's knowledge source) -> provider_call.py + speculation.py (timeout, retry, fallback,
+breaker; a call started early) -> settle.py (real usage replaces the reservation, trace) -> caching.py
+(remember the answer, before it is sent).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from pagedserve.gateway.admin import add_admin_routes
 from pagedserve.gateway.admin_models import IndexAdd, IndexSearch, KeyCreate, SourceBump
@@ -29,7 +30,7 @@ from pagedserve.gateway.limits import RateLimiter
 from pagedserve.gateway.openapi import install_openapi
 from pagedserve.gateway.protocol import ChatRequest, CompletionRequest
 from pagedserve.gateway.provider_call import outcome, relay, upstream
-from pagedserve.gateway.providers import CallResult, ProviderPool, StreamResult
+from pagedserve.gateway.providers import CallResult, ProviderPool
 from pagedserve.gateway.query_vectors import QueryVectors
 from pagedserve.gateway.retrieval.library import Library
 from pagedserve.gateway.retrieval.retriever import Retriever
@@ -37,9 +38,10 @@ from pagedserve.gateway.retrieving import RetrievalStage
 from pagedserve.gateway.routing import TierRouter
 from pagedserve.gateway.semantic_cache import SemanticCache
 from pagedserve.gateway.settle import Settlement
+from pagedserve.gateway.single_flight import Flight, Flights, StreamTee
 from pagedserve.gateway.speculation import Speculation
 from pagedserve.gateway.store import Store, open_store
-from pagedserve.gateway.streaming import StreamAssembler
+from pagedserve.gateway.streaming import StreamAssembler, assemble
 from pagedserve.gateway.tracing import Trace, TraceSink
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class Gateway:
             if route.retrieval is not None and route.speculate:
                 log.warning("route %s: speculate is off on a retrieval route (the early call would lack the "
                             "chunks)", route.name)
+            if route.retrieval is not None:
+                log.info("%s", route.freshness())
         cache = SemanticCache(config.data_dir / "cache.db", embedder.dim) if config.cache.enabled else None
         classifier = None
         if needs_classifier:
@@ -75,6 +79,7 @@ class Gateway:
         self.caching = CacheStage(config, self.store, cache, vectors, self.retrieval)
         self.router = TierRouter(classifier, vectors)
         self.settlement = Settlement(config, self.budgets, limiter, self.traces)
+        self.flights = Flights()
         self._background: set[asyncio.Task] = set()
         log.info("gateway ready: routes %s, providers %s, store %s, cache %s, classifier %s", sorted(config.routes),
                  sorted(config.providers), config.store, f"{len(cache)} entries" if cache is not None else "off",
@@ -90,10 +95,19 @@ class Gateway:
 
     async def handle(self, request: Request, kind: str) -> Response:
         trace = Trace(endpoint=kind)
-        call = speculation = None
+        call = speculation = flight = None
         try:
             call = await self.admission.admit(request, kind, trace)
             cacheable = self.caching.cacheable(call)
+            if cacheable:
+                joined, leads = self.flights.join(self.caching.flight_key(call), trace.trace_id)
+                if leads:
+                    flight = joined
+                else:
+                    served = await self.wait(call, joined)
+                    if served is not None:
+                        return served
+                    flight = self.flights.alone(joined.key, trace.trace_id)  # released: on its own
             speculation = self.speculate(call, cacheable)
             if speculation is not None:
                 await speculation.on_the_wire()
@@ -102,7 +116,8 @@ class Gateway:
                     self.cancel(speculation, "cache hit", trace)
                     speculation = None
                 await self.settlement.finish(call, None, {})
-                return self.caching.answer(call)
+                self.flights.land(flight, call.lookup.entry.response)
+                return self.caching.answer(call, call.lookup.entry.response)
             await self.router.choose_tier(call)
             if call.route.retrieval is not None:
                 await self.retrieval.retrieve(call)
@@ -114,10 +129,16 @@ class Gateway:
                     self.cancel(speculation, f"{call.tier} tier", trace)
                 speculation = None
             result = await outcome(call, pending or upstream(self.providers, call, call.route.tier(call.tier)))
-            if isinstance(result, StreamResult):
-                return StreamingResponse(self.relay(call, result), media_type="text/event-stream",
-                                         headers=call.response_headers(result.target))
-            return await self.complete(call, result)
+            if isinstance(result, CallResult):
+                return await self.complete(call, result, flight)
+            events = result.events
+            if flight is not None:  # one pump reads the provider; this request and live waiters follow it
+                tee = StreamTee(events, lambda got: self.land_stream(call, flight, got))
+                self._track(tee.task)
+                self.flights.stream(flight, tee, result.target, call.sources)
+                events = tee.follow()
+            return StreamingResponse(self.relay(call, result.target, events), media_type="text/event-stream",
+                                     headers=call.response_headers(result.target))
         except Exception as e:
             if call is not None:
                 await self.settlement.settle(call, None, {})
@@ -129,6 +150,29 @@ class Gateway:
         finally:
             if speculation is not None:  # the lookup or the classifier failed
                 self.cancel(speculation, "error", trace)
+            if flight is not None and flight.tee is None:  # landed already, unless it failed on the way
+                self.flights.land(flight, None)
+
+    async def wait(self, call: Call, flight: Flight) -> Response | None:
+        """An identical request leads a flight: its answer, as soon as there is one to give (None: go alone)."""
+        call.trace.coalesced_with = flight.leader_trace
+        flight.waiting += 1
+        try:
+            await flight.moved.wait()
+            live = call.request.stream and not call.request.offers_tools
+            if flight.tee is not None and live and not flight.landed.is_set():
+                call.trace.cache = "coalesced"
+                call.served_sources = flight.sources
+                return StreamingResponse(self.relay(call, flight.target, flight.tee.follow(), charged=False),
+                                         media_type="text/event-stream", headers=call.response_headers(flight.target))
+            await flight.landed.wait()
+        finally:
+            flight.waiting -= 1
+        if flight.answer is None:
+            return None
+        call.trace.cache = "coalesced"
+        await self.settlement.finish(call, None, {})
+        return self.caching.answer(call, flight.answer)
 
     def speculate(self, call: Call, cacheable: bool) -> Speculation | None:
         """Starts the likely tier's call now, when the cache lookup or the classifier would otherwise delay it."""
@@ -141,35 +185,44 @@ class Gateway:
         trace.speculative = speculation.verdict(why)
         self._spawn(speculation.cancel())
 
-    async def complete(self, call: Call, result: CallResult) -> Response:
+    async def complete(self, call: Call, result: CallResult, flight: Flight | None) -> Response:
         if call.retrieved is not None:
             result.body["sources"] = call.sources
         await self.settlement.finish(call, result.target, result.body.get("usage") or {})
-        task = BackgroundTask(self.caching.remember, call, result.body)
-        return JSONResponse(result.body, headers=call.response_headers(result.target), background=task)
+        stored = self.caching.remember(call, result.body)  # before the answer leaves: the next one asking hits
+        if flight is not None:
+            self.flights.land(flight, result.body if stored else None)
+        return JSONResponse(result.body, headers=call.response_headers(result.target))
 
-    def relay(self, call: Call, result: StreamResult):
+    def land_stream(self, call: Call, flight: Flight, events: list[str] | None) -> None:
+        """The pump's end of a flight's stream (before any reader sees it): the whole answer stored, if whole."""
+        answer = None
+        try:
+            assembled = assemble(call.kind, events) if events is not None else None
+            if assembled is not None and assembled.finish_reason is not None:
+                body = assembled.body()
+                if call.retrieved is not None:
+                    body["sources"] = call.sources
+                answer = body if self.caching.remember(call, body) else None
+        finally:  # waiters must never be left waiting
+            self.flights.land(flight, answer)
+
+    def relay(self, call: Call, target: Target, events, charged: bool = True):
+        """The stream to the client; its usage charged when it ends (a live waiter's is not: a hit's price)."""
         def on_end(assembled: StreamAssembler, status: int, error: str | None) -> None:
-            self._spawn(self.finish_stream(call, result.target, assembled, status, error))
-        return relay(call, result.target, result.events, on_end,
-                     {"sources": call.sources} if call.retrieved is not None else None)
-
-    async def finish_stream(self, call: Call, target: Target, assembled: StreamAssembler, status: int,
-                            error: str | None) -> None:
-        usage = self.settlement.stream_usage(call, assembled.usage, assembled.chunks)
-        await self.settlement.finish(call, target, usage, status, error)
-        if status == 200 and assembled.finish_reason is not None:
-            body = assembled.body()
-            if call.retrieved is not None:
-                body["sources"] = call.sources
-            self.caching.remember(call, body)
+            usage = self.settlement.stream_usage(call, assembled.usage, assembled.chunks)
+            self._spawn(self.settlement.finish(call, target if charged else None, usage, status, error))
+        return relay(call, target, events, on_end, {"sources": call.sources} if call.sources is not None else None)
 
     def status(self) -> dict:
         cache = self.caching.cache
-        return {"providers": self.providers.breaker_states(), "cache_entries": len(cache) if cache else 0}
+        return {"providers": self.providers.breaker_states(), "cache_entries": len(cache) if cache else 0,
+                "flights": self.flights.status()}
 
     def _spawn(self, work: Awaitable) -> None:
-        task = asyncio.get_running_loop().create_task(work)
+        self._track(asyncio.get_running_loop().create_task(work))
+
+    def _track(self, task: asyncio.Task) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -54,9 +54,9 @@ class CacheStage:
         call.versions = await self.store.source_versions(sorted(named | ({retrieval.source} if retrieval else set())))
         trace.sources = call.versions
         current, chunks_gone = call.versions, None
-        if retrieval is not None:  # the retrieval source is judged chunk by chunk, not by its version
-            call.index_version = call.versions[retrieval.source]
-            current = {s: v for s, v in call.versions.items() if s in named}
+        if retrieval is not None:  # the retrieval source is judged chunk by chunk, not by its version, even
+            call.index_version = call.versions[retrieval.source]  # where sources names it too (logged at start-up)
+            current = {s: v for s, v in call.versions.items() if s in named and s != retrieval.source}
             chunks_gone = await self.retrieval.freshness(call)
         call.vector = await self.vectors.vector(call.query)
         threshold = call.route.cache_threshold or self.config.cache.threshold
@@ -67,9 +67,18 @@ class CacheStage:
         trace.stale_reason = call.lookup.stale_reason
         return call.lookup.result == "hit"
 
-    def answer(self, call: Call) -> Response:
-        """The cached answer, replayed in the shape (and streaming or not) the client asked for."""
-        body = replay(call.lookup.entry.response, call.kind)
+    @staticmethod
+    def flight_key(call: Call) -> tuple:
+        """Requests that would share one cache entry exactly (single_flight.py): the scope (tenant, route, every
+        answer-shaping parameter, the conversation), the question as the cache normalises it, and max_tokens."""
+        req = call.request
+        return call.scope, normalise(call.query), req.max_completion_tokens or req.max_tokens
+
+    def answer(self, call: Call, stored: dict) -> Response:
+        """A stored answer (a cache hit's, or the one an identical request just stored), replayed in the shape
+        (and streaming or not) the client asked for."""
+        body = replay(stored, call.kind)
+        call.served_sources = stored.get("sources")
         headers = call.response_headers(None)
         if call.request.stream:
             wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
@@ -77,15 +86,16 @@ class CacheStage:
                                      media_type="text/event-stream", headers=headers)
         return JSONResponse(body, headers=headers)
 
-    def remember(self, call: Call, body: dict) -> None:
-        """Caches a fresh answer against the source versions current when it was asked."""
+    def remember(self, call: Call, body: dict) -> bool:
+        """Caches a fresh answer against the source versions current when it was asked; whether it did. Called
+        before the answer is sent (or a stream's [DONE]), so the same question asked next is a hit."""
         choices = body.get("choices")
         if call.scope is None or call.vector is None or not isinstance(choices, list) or len(choices) != 1:
-            return
+            return False
         choice = choices[0] if isinstance(choices[0], dict) else {}
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
         if message.get("tool_calls") or choice.get("finish_reason") == "tool_calls":
-            return  # a call is an action on this exact request's arguments, not an answer to reuse
+            return False  # a call is an action on this exact request's arguments, not an answer to reuse
         finish = choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
         completion_tokens = usage.get("completion_tokens")
@@ -95,3 +105,4 @@ class CacheStage:
         self.cache.put(call.scope, call.query, call.vector, body, call.versions, ttl,
                        call.request.max_completion_tokens or call.request.max_tokens, finish,
                        completion_tokens if isinstance(completion_tokens, int) else 0, chunks)
+        return True

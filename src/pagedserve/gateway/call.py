@@ -36,15 +36,14 @@ class Call:
     tier: str = "small"
     index_version: str | None = None  # the route's retrieval source, as read for this request
     retrieved: list[Hit] | None = None  # None: no retrieval ran
+    served_sources: list[dict] | None = None  # those of an answer served from elsewhere (the cache, a flight)
 
     @property
     def sources(self) -> list[dict] | None:
-        """The `sources` the answer reports: the chunks retrieved now, or those a cached answer was built from."""
+        """The `sources` the answer reports: the chunks retrieved now, or those a served answer was built from."""
         if self.retrieved is not None:
             return [h.public() for h in self.retrieved]
-        if self.lookup is not None and self.lookup.result == "hit" and "sources" in self.lookup.entry.response:
-            return self.lookup.entry.response["sources"]
-        return None
+        return self.served_sources
 
     def response_headers(self, target: Target | None) -> dict[str, str]:
         headers = {**self.headers, "x-gateway-trace-id": self.trace.trace_id, "x-gateway-cache": str(self.trace.cache),

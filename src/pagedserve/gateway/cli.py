@@ -199,6 +199,7 @@ def _sources_list(args: argparse.Namespace) -> int:
 
 def _with_library(args: argparse.Namespace, action) -> int:
     from pagedserve.embedding import Embedder
+    from pagedserve.gateway.leases import LeaseBusy
     from pagedserve.gateway.retrieval.indexer import IndexInputError
     from pagedserve.gateway.retrieval.library import Library
 
@@ -207,18 +208,26 @@ def _with_library(args: argparse.Namespace, action) -> int:
     async def run(store, _) -> int:
         try:
             return await action(Library(store, embedder))
-        except (IndexInputError, LookupError) as e:
+        except (IndexInputError, LookupError, LeaseBusy) as e:
             print(f"gateway index: {e.args[0] if isinstance(e, LookupError) else e}", file=sys.stderr)
             return 1
     return _with_store(args, run)
 
 
 def _index_add(args: argparse.Namespace) -> int:
-    from pagedserve.gateway.retrieval.indexer import read_paths
+    from pagedserve.gateway.retrieval.indexer import IndexInputError
+    from pagedserve.gateway.retrieval.reading import read_paths
+
+    try:  # before the encoder loads: a bad path is reported at once
+        reading = read_paths(args.paths)
+    except IndexInputError as e:
+        print(f"gateway index: {e}", file=sys.stderr)
+        return 1
+    for skipped in reading.skipped:
+        print(f"gateway index: skipped {skipped}", file=sys.stderr)
 
     async def action(library) -> int:
-        files, prefixes = read_paths(args.paths)
-        _print((await library.add(args.source, files, prefixes)).public())
+        _print((await library.add(args.source, reading.files, reading.prefixes)).public())
         return 0
     return _with_library(args, action)
 

@@ -14,6 +14,7 @@ from pagedserve.gateway.admission import read_body
 from pagedserve.gateway.auth import bearer_token, is_admin
 from pagedserve.gateway.errors import APIError
 from pagedserve.gateway.gateway_config import GatewayConfig
+from pagedserve.gateway.leases import LeaseBusy
 from pagedserve.gateway.protocol import load_json_object, validation_error
 from pagedserve.gateway.retrieval.indexer import IndexInputError
 from pagedserve.gateway.retrieval.library import Library
@@ -44,6 +45,8 @@ def add_index_routes(app: FastAPI, config: GatewayConfig, library: Library | Non
             raise APIError(400, str(e), code="invalid_document") from None
         except LookupError as e:
             raise APIError(404, str(e.args[0]), code="source_not_found") from None
+        except LeaseBusy as e:
+            raise APIError(409, str(e), code="source_busy") from None
 
     @app.get("/admin/index")
     async def list_sources(request: Request) -> dict:

@@ -78,28 +78,46 @@ return version
 """
 
 # KEYS: sources, the source's hashes, its records; ARGV: source, now, #puts, (name, hash, record)*, names to delete.
+# The version moves on only when a stored hash really changed or a document really went.
 INDEX_APPLY_LUA = """
 local n = tonumber(ARGV[3])
 local i = 4
+local changed = 0
 for _ = 1, n do
-  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
-  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 2])
+  if redis.call('HGET', KEYS[2], ARGV[i]) ~= ARGV[i + 1] then
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 2])
+    changed = changed + 1
+  end
   i = i + 3
 end
-local removed = 0
 for j = i, #ARGV do
-  removed = removed + redis.call('HDEL', KEYS[2], ARGV[j])
+  changed = changed + redis.call('HDEL', KEYS[2], ARGV[j])
   redis.call('HDEL', KEYS[3], ARGV[j])
 end
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 local version = current and cjson.decode(current)['version']
-if n == 0 and removed == 0 and version then
+if changed == 0 and version then
   return version
 end
 local v = version and tonumber(version)
 version = v and tostring(math.floor(v) + 1) or '1'
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({version = version, updated_at = tonumber(ARGV[2])}))
 return version
+"""
+
+# KEYS[1]: the lease. ARGV: owner, ttl in ms. Taken (or renewed) when free or already the owner's; Redis expires it.
+LEASE_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS[1]: the lease. ARGV: owner. Only the owner's own lease is freed (one that expired may be another's now).
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -122,6 +140,8 @@ class RedisStore:
         self._reserve = self.redis.register_script(RESERVE_LUA)
         self._bump = self.redis.register_script(BUMP_LUA)
         self._index_apply = self.redis.register_script(INDEX_APPLY_LUA)
+        self._lease = self.redis.register_script(LEASE_LUA)
+        self._release = self.redis.register_script(RELEASE_LUA)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -238,6 +258,13 @@ class RedisStore:
             args += [name, content_hash, record]
         keys = [self.p + "sources", f"{self.p}index_hash:{source}", f"{self.p}index_doc:{source}"]
         return await self._index_apply(keys=keys, args=args + list(remove))
+
+    async def lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Takes (or renews) the named lease for `owner` when it is free, expired or already theirs (leases.py)."""
+        return bool(await self._lease(keys=[f"{self.p}lease:{name}"], args=[owner, max(1, int(ttl_s * 1000))]))
+
+    async def release(self, name: str, owner: str) -> None:
+        await self._release(keys=[f"{self.p}lease:{name}"], args=[owner])
 
     async def indexed_sources(self) -> dict[str, int]:
         counts = {}

@@ -1,9 +1,14 @@
 """Stage 3b, retrieval: on a route with `retrieval`, the question's best chunks from the route's knowledge
 source go into the request as context, and the answer says which ones (`sources` in the body,
 `x-gateway-sources` in the headers). Also the per-chunk freshness the cache lookup applies to such routes.
+
+Retrieved text is data, whoever wrote the documents: it goes in as a user-role block between <delimiter> tags
+(never into a system message, where it would read as the operator's own instructions), with any such tag
+inside a chunk defused so a document cannot close the block early. The trace records the block as sent.
 """
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -62,26 +67,39 @@ class RetrievalStage:
         call.retrieved = hits
         call.trace.retrieval = [h.public() for h in hits]
         if hits:
-            call.body = with_context(call.body, call.kind, context_text(config, hits))
+            text = context_text(config, hits)
+            call.body, where = with_context(call.body, call.kind, text, config.placement)
+            call.trace.retrieval_context = {"where": where, "text": text}
 
 
 def context_text(config: RetrievalConfig, hits: list[Hit]) -> str:
-    chunks = "\n\n".join(config.chunk_template.format(n=n, document=h.chunk.doc, heading=h.chunk.heading,
-                                                      text=h.chunk.text) for n, h in enumerate(hits, 1))
-    return config.template.format(source=config.source, chunks=chunks)
+    """The context block: the template around the chunks, which sit between <delimiter> tags."""
+    tag = config.delimiter
+    defuse = re.compile(rf"<(/?\s*{re.escape(tag)})", re.IGNORECASE)
+    chunks = "\n\n".join(defuse.sub(r"&lt;\1", config.chunk_template.format(
+        n=n, document=h.chunk.doc, heading=h.chunk.heading, text=h.chunk.text)) for n, h in enumerate(hits, 1))
+    block = f'<{tag} source="{config.source}">\n{chunks}\n</{tag}>'
+    return config.template.format(source=config.source, delimiter=tag, chunks=block)
 
 
-def with_context(body: dict, kind: str, context: str) -> dict:
-    """Chat: the context joins the leading system message, or becomes one. Completions: it prefixes the prompt."""
+def with_context(body: dict, kind: str, context: str, placement: str = "message") -> tuple[dict, str]:
+    """The body with the context in it, and where it went. Chat: a user message of its own just before the
+    question (the last user message), or in front of the question's own text; completions: before the prompt.
+    The client's body is not changed in place."""
     if kind != "chat":
-        return {**body, "prompt": f"{context}\n\n{body['prompt']}"}
+        return {**body, "prompt": f"{context}\n\n{body['prompt']}"}, "prompt (before the client's text)"
     messages = list(body["messages"])
-    first = messages[0] if messages else None
-    if isinstance(first, dict) and first.get("role") in ("system", "developer") and isinstance(first.get("content"), str):
-        messages[0] = {**first, "content": f"{first['content']}\n\n{context}"}
+    at = max(i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user")
+    if placement == "message":
+        messages.insert(at, {"role": "user", "content": context})
+        return {**body, "messages": messages}, f"messages.{at} (a user message before the question)"
+    content = messages[at].get("content")
+    if isinstance(content, list):
+        content = [{"type": "text", "text": context}, *content]
     else:
-        messages.insert(0, {"role": "system", "content": context})
-    return {**body, "messages": messages}
+        content = f"{context}\n\n{content or ''}"
+    messages[at] = {**messages[at], "content": content}
+    return {**body, "messages": messages}, f"messages.{at} (before the question's text)"
 
 
 def cached_chunks(source: str, hits: list[Hit]) -> dict[str, dict[str, str]]:

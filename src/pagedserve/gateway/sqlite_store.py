@@ -174,18 +174,36 @@ class SQLiteStore:
 
     async def index_apply(self, source: str, put: dict[str, tuple[str, str]], remove: list[str]) -> str:
         """Writes (name -> (content hash, record)) and deletes names in one transaction; the source's version
-        moves on only when something changed. Returns the version now current."""
+        moves on only when a stored hash really changed or a document really went. Returns the version now current."""
         def apply(db: sqlite3.Connection) -> str:
+            stored = dict(db.execute("SELECT name, content_hash FROM index_docs WHERE source = ?", (source,)).fetchall())
+            changed = 0
             for name, (content_hash, record) in put.items():
-                db.execute("INSERT OR REPLACE INTO index_docs(source, name, content_hash, record) VALUES (?, ?, ?, ?)",
-                           (source, name, content_hash, record))
+                if stored.get(name) != content_hash:
+                    db.execute("INSERT OR REPLACE INTO index_docs(source, name, content_hash, record) "
+                               "VALUES (?, ?, ?, ?)", (source, name, content_hash, record))
+                    changed += 1
             for name in remove:
-                db.execute("DELETE FROM index_docs WHERE source = ? AND name = ?", (source, name))
+                changed += db.execute("DELETE FROM index_docs WHERE source = ? AND name = ?", (source, name)).rowcount
             row = db.execute("SELECT version FROM sources WHERE name = ?", (source,)).fetchone()
-            if not put and not remove and row is not None:
+            if not changed and row is not None:
                 return row[0]
             return self._set_version(db, source, row, None)
         return self._txn(apply)
+
+    async def lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Takes (or renews) the named lease for `owner` when it is free, expired or already theirs (leases.py)."""
+        def take(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT owner, expires_at FROM leases WHERE name = ?", (name,)).fetchone()
+            now = self.clock()
+            if row is not None and row[0] != owner and row[1] > now:
+                return False
+            db.execute("INSERT OR REPLACE INTO leases(name, owner, expires_at) VALUES (?, ?, ?)", (name, owner, now + ttl_s))
+            return True
+        return bool(self._txn(take))
+
+    async def release(self, name: str, owner: str) -> None:
+        self._txn(lambda db: db.execute("DELETE FROM leases WHERE name = ? AND owner = ?", (name, owner)))
 
     async def indexed_sources(self) -> dict[str, int]:
         """Source -> number of indexed documents."""
@@ -204,4 +222,5 @@ CREATE TABLE IF NOT EXISTS holds (day TEXT NOT NULL, scope TEXT NOT NULL, nanos 
 CREATE TABLE IF NOT EXISTS sources (name TEXT PRIMARY KEY, version TEXT NOT NULL, updated_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS index_docs (source TEXT NOT NULL, name TEXT NOT NULL, content_hash TEXT NOT NULL,
                                        record TEXT NOT NULL, PRIMARY KEY (source, name));
+CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_at REAL NOT NULL);
 """

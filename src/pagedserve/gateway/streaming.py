@@ -47,6 +47,20 @@ def replay_chunks(body: dict, kind: str, include_usage: bool) -> list[str]:
     return [sse(c) for c in chunks] + [DONE]
 
 
+def assemble(kind: str, events: list[str]) -> StreamAssembler | None:
+    """A whole relayed stream's answer; None when an event is an error or not shaped like OpenAI's."""
+    assembled = StreamAssembler(kind)
+    for data in events:
+        try:
+            event = json.loads(data)
+            if not isinstance(event, dict) or "error" in event:
+                return None
+            assembled.add(event)
+        except ValueError:
+            return None
+    return assembled
+
+
 @dataclass(slots=True)
 class StreamAssembler:
     """Collects a relayed stream's text, finish reason and usage."""

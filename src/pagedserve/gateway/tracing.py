@@ -30,13 +30,17 @@ class Trace:
     tier: str | None = None  # small | large
     pinned: bool = False  # the request chose its tier itself
     classifier_score: float | None = None  # probability of "hard"
-    cache: str | None = None  # hit | miss | stale | off | bypass (not cacheable); None: rejected before
+    # hit | miss | stale | off | bypass (not cacheable) | coalesced (served an identical request's answer, which
+    # was in flight when this one came); None: rejected before
+    cache: str | None = None
+    coalesced_with: str | None = None  # the trace id of the identical request this one waited for
     cache_similarity: float | None = None
     stale_reason: str | None = None
     sources: dict[str, str] = field(default_factory=dict)  # versions the answer depends on
     retrieval: list[dict] | None = None  # chunks put into the request: document, heading, hash, scores
     retrieval_ms: float | None = None  # the index search (the query embedding is shared with the cache)
     retrieval_note: str | None = None  # why a retrieval route retrieved nothing
+    retrieval_context: dict | None = None  # what went into the request: where (a user message ...) and its text
     budget_spent_usd: float | None = None  # the user's spend today before this request
     budget_limit_usd: float | None = None
     budget_note: str | None = None  # usage that passed its reservation, or was not reported
@@ -126,8 +130,9 @@ def _export(tracer, trace: Trace) -> None:
 
     attributes = {f"gateway.{k}": v for k, v in trace.to_dict().items()
                   if v is not None and isinstance(v, (str, bool, int, float))}
-    if trace.retrieval is not None:
-        attributes["gateway.retrieval"] = json.dumps(trace.retrieval)
+    for name in ("retrieval", "retrieval_context"):
+        if getattr(trace, name) is not None:
+            attributes[f"gateway.{name}"] = json.dumps(getattr(trace, name))
     attributes["gen_ai.usage.input_tokens"] = trace.prompt_tokens
     attributes["gen_ai.usage.output_tokens"] = trace.completion_tokens
     end = trace.started_at + trace.latency_ms / 1000

@@ -1,10 +1,12 @@
-"""Writing a knowledge source's documents into the store: read files and folders, parse and chunk them, embed
-only the chunks whose text is new, and apply every change with one version bump (none when nothing changed).
+"""Writing a knowledge source's documents into the store: parse and chunk them, embed only the chunks whose
+text is new, and apply every change with one version bump (none when nothing changed). Files and folders on
+disk are read by reading.py.
 
-Document names: a file given directly is named by its file name; a file found in a folder by the folder's
-name and its path inside it ("hr/leave/germany.md"). Re-adding a folder also removes the documents indexed
-from it earlier that are no longer there. Any unreadable document fails the whole add, with every error
-listed, and the index is left as it was.
+Re-adding a folder also removes the documents indexed from it earlier that are no longer there. Any unusable
+document fails the whole add, with every error listed, and the index is left as it was. Adds and removes of
+one source hold its lease in the store (leases.py) from reading its manifest to applying the change, so two
+at once, from any processes sharing the store, run one after the other: the second sees the first's work
+and neither re-embeds nor bumps the version for content already there.
 """
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ import asyncio
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from pagedserve.gateway.retrieval.chunking import SUFFIXES, DocumentError, chunk_document, parse_document
+from pagedserve.gateway.leases import held
+from pagedserve.gateway.retrieval.chunking import DocumentError, chunk_document, parse_document
 from pagedserve.gateway.retrieval.document_record import DocumentRecord
 from pagedserve.gateway.retrieval.hybrid_index import lexical_text
 
@@ -45,36 +47,6 @@ class IndexReport:
                 "chunks_reused": self.chunks_reused}
 
 
-def read_paths(paths: list[Path]) -> tuple[dict[str, bytes], list[str]]:
-    """Documents under the paths (name -> bytes) and the folder prefixes whose old documents a re-add prunes.
-    Files of other types inside a folder are skipped; one named directly is an error (by parse_document)."""
-    files: dict[str, bytes] = {}
-    prefixes, errors = [], []
-    for path in paths:
-        if path.is_dir():
-            prefix = f"{path.resolve().name}/"
-            prefixes.append(prefix)
-            for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES):
-                if not any(part.startswith(".") for part in f.relative_to(path).parts):
-                    _read(f, prefix + f.relative_to(path).as_posix(), files, errors)
-        elif path.is_file():
-            _read(path, path.name, files, errors)
-        else:
-            errors.append(f"{path}: no such file or folder")
-    if errors:
-        raise IndexInputError("; ".join(errors))
-    return files, prefixes
-
-
-def _read(path: Path, name: str, files: dict[str, bytes], errors: list[str]) -> None:
-    if path.stat().st_size > MAX_DOCUMENT_BYTES:
-        errors.append(f"{path}: larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
-    elif name in files:
-        errors.append(f"{path}: a second document named {name!r}")
-    else:
-        files[name] = path.read_bytes()
-
-
 class Indexer:
     def __init__(self, store, embedder, max_tokens: int = 200, overlap_tokens: int = 40):
         self.store = store
@@ -89,6 +61,10 @@ class Indexer:
 
     async def add(self, source: str, files: dict[str, bytes], prune_prefixes: list[str] = ()) -> IndexReport:
         """Indexes the documents; those under a prune prefix that are not among them are removed."""
+        async with held(self.store, f"index:{source}"):
+            return await self._add(source, files, prune_prefixes)
+
+    async def _add(self, source: str, files: dict[str, bytes], prune_prefixes: list[str]) -> IndexReport:
         manifest = await self.store.index_manifest(source)
         changed = {n: b for n, b in files.items() if manifest.get(n) != _hash(b)}
         old = await self.store.index_records(source, [n for n in changed if n in manifest])
@@ -108,15 +84,16 @@ class Indexer:
 
     async def remove(self, source: str, names: list[str] | None = None) -> IndexReport:
         """Removes the named documents, or every document of the source when names is None."""
-        manifest = await self.store.index_manifest(source)
-        if not manifest:
-            raise LookupError(f"no indexed source {source!r}")
-        unknown = [n for n in names or [] if n not in manifest]
-        if unknown:
-            raise LookupError(f"source {source!r} has no document {', '.join(map(repr, unknown))}")
-        removed = sorted(manifest if names is None else set(names))
-        version = await self.store.index_apply(source, {}, removed)
-        return IndexReport(source, version, removed=removed)
+        async with held(self.store, f"index:{source}"):
+            manifest = await self.store.index_manifest(source)
+            if not manifest:
+                raise LookupError(f"no indexed source {source!r}")
+            unknown = [n for n in names or [] if n not in manifest]
+            if unknown:
+                raise LookupError(f"source {source!r} has no document {', '.join(map(repr, unknown))}")
+            removed = sorted(manifest if names is None else set(names))
+            version = await self.store.index_apply(source, {}, removed)
+            return IndexReport(source, version, removed=removed)
 
     def _prepare(self, files: dict[str, bytes], old: dict[str, str]) -> tuple[list[DocumentRecord], IndexReport]:
         """Parses and chunks every document (all errors collected first), then embeds the new chunks only."""
