@@ -28,6 +28,7 @@ from pagedserve.server.serving import (
     merged,
     prefill_handle,
     primed,
+    prompt_logprobs,
     sampling_params,
     sse,
     start_streams,
@@ -77,7 +78,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     outputs = await final_outputs(state, call)
     choices = [_choice(state, c, top, parse) for c in outputs[0].outputs]
     return ChatCompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=usage(outputs),
-                                  degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call, outputs))
+                                  degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call, outputs),
+                                  prompt_logprobs=prompt_logprobs(state, outputs[0], req.prompt_logprobs))
 
 
 def _choice(state: ServerState, c: CompletionOutput, top: int | None, plan: ToolPlan | None) -> ChatChoice:

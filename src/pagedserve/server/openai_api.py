@@ -34,6 +34,7 @@ from pagedserve.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from pagedserve.server.serving import RequestContext, ServerState, respond, until_disconnect
 from pagedserve.server.tools import ToolPlan
@@ -45,7 +46,7 @@ ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or server-sent events "
                                                                           "when stream is true"}}
 KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/tokenize",
-               "/detokenize", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+               "/detokenize", "/tokenizer_info", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                "/internal/v1/completions", "/internal/v1/chat/completions", "/internal/v1/kv/info"}
 
 
@@ -131,8 +132,23 @@ def _api_routes(state: ServerState, auth: list) -> APIRouter:
         plan = ToolPlan(req.tools, "auto", parser=state.tool_parser) if req.tools else None
         text = req.prompt if req.messages is None else render_prompt(state, req.messages, req.add_generation_prompt,
                                                                      plan)
-        tokens = state.engine.tokenizer.encode(text)
-        return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
+        tokenizer = state.engine.tokenizer
+        tokens = tokenizer.encode(text, add_special_tokens=req.add_special_tokens is not False)
+        strs = [tokenizer.id_to_token(t) or "" for t in tokens] if req.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens,
+                                token_strs=strs)
+
+    @r.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+    async def tokenizer_info() -> TokenizerInfoResponse:
+        tokenizer = state.engine.tokenizer
+
+        def token(token_id: int | None) -> str | None:
+            return None if token_id is None else tokenizer.id_to_token(token_id)
+        return TokenizerInfoResponse(
+            tokenizer_class="PreTrainedTokenizerFast", bos_token=token(tokenizer.bos_token_id),
+            eos_token=token(tokenizer.eos_token_id),
+            chat_template=tokenizer.chat_template, model_max_length=state.engine.max_model_len,
+            vocab_size=tokenizer.vocab_size, add_bos_token=bool(tokenizer.add_bos))
 
     @r.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:

@@ -160,6 +160,8 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(0, ge=0, description="vLLM extra")
     skip_special_tokens: bool = Field(True, description="vLLM extra")
     include_stop_str_in_output: bool = Field(False, description="vLLM extra")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM extra: each prompt token's logprob "
+                                        "and this many alternatives (the first token's is null)")
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: "
                                                                      "enforced while decoding")
     guided_json: dict | Text | None = Field(None, description="vLLM extra: a JSON schema the output follows")
@@ -198,8 +200,9 @@ class CompletionRequest(SamplingFields):
     prompt: Prompt | Annotated[list[Prompt], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)] = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists (none empty)")
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt (and its logprobs) alone")
+    echo: bool = Field(False, description="the prompt before the completion; with logprobs, the prompt's tokens' "
+                                          "logprobs too (the first is null)")
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
@@ -210,12 +213,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's layout: per prompt token, its id (as a string key) and the alternatives' -> logprob; null for the first.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM extra, when asked for")
 
 
 class PromptTokensDetails(BaseModel):
@@ -379,6 +393,7 @@ class ChatCompletionResponse(BaseModel):
     degraded: list[str] | None = Field(None, description="pagedserve extra: what was cut under load, e.g. "
                                                        "max_tokens=64 or n=1")
     kv_transfer_params: dict | None = Field(None, description="the prefill half's lease on the prompt's KV blocks")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM extra, when asked for")
 
 
 class DeltaMessage(BaseModel):
@@ -437,6 +452,9 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] = Field(None, description="a chat to render with the model's template")  # type: ignore[assignment]
     tools: list[ChatTool] | None = Field(None, min_length=1, max_length=128, description="rendered with messages")
     add_generation_prompt: bool = True
+    add_special_tokens: bool | None = Field(None, description="vLLM's: whether the tokenizer adds its special "
+                                            "tokens (BOS); default as generation does")
+    return_token_strs: bool | None = Field(False, description="vLLM's: each token's string too")
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -451,6 +469,19 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class TokenizerInfoResponse(BaseModel):
+    """What a client needs to tokenize as the server does (vLLM's /tokenizer_info; lm-eval's remote tokenizer)."""
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
+    vocab_size: int
+    add_bos_token: bool
 
 
 class DetokenizeRequest(StrictModel):

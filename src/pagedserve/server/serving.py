@@ -31,7 +31,14 @@ from pagedserve.server.kv_transfer import (
 )
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
 from pagedserve.server.peer_auth import PeerKey
-from pagedserve.server.protocol import KVTransferParams, PromptTokensDetails, SamplingFields, Usage
+from pagedserve.server.protocol import (
+    KVTransferParams,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    SamplingFields,
+    Usage,
+)
 from pagedserve.server.tool_parsers import HermesParser, ToolParser
 
 ENGINE_RETRY_AFTER_S = 5  # what a 503 for a dead engine tells clients; a supervisor restarts us meanwhile
@@ -66,7 +73,9 @@ class ServerState:
 
 
 def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    guided: GuidedDecodingParams | None = None) -> SamplingParams:
+                    guided: GuidedDecodingParams | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """prompt_logprobs: how many alternatives each prompt token's logprob needs (default: the request's own
+    prompt_logprobs)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     vocab = getattr(state.engine.tokenizer, "vocab_size", None)
     if vocab is not None and any(t >= vocab for t in req.stop_token_ids or []):
@@ -79,6 +88,7 @@ def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | N
             stop_token_ids=list(req.stop_token_ids or []), max_tokens=max_tokens, min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, guided_decoding=guided,
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
@@ -348,6 +358,23 @@ def usage(outputs: list[RequestOutput]) -> Usage:
 
 def token_text(state: ServerState, token_id: int, decoded: str | None) -> str:
     return decoded if decoded is not None else state.engine.tokenizer.decode([token_id])
+
+
+def prompt_logprobs(state: ServerState, out: RequestOutput, top: int | None) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs of one prompt: per token, its own and the top alternatives' (by id); the first null."""
+    if top is None or out.prompt_logprobs is None:
+        return None
+    result: PromptLogprobs = []
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=False):
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top]
+        kept = dict(ranked) | ({token_id: entry[token_id]} if token_id in entry else {})
+        result.append({str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                             decoded_token=token_text(state, t, lp.decoded_token))
+                       for t, lp in kept.items()})
+    return result
 
 
 # ---- client disconnects ----
