@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from pagedserve.cluster.regions import parse_name
+from pagedserve.lora_request import check_lora_name
 
 
 @dataclass(slots=True)
@@ -109,6 +110,11 @@ class ClusterConfig:
         if not isinstance(self.lora_modules, dict) or not all(
                 isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
             raise ValueError("lora_modules must map adapter names to paths")
+        for name in self.lora_modules:
+            try:
+                check_lora_name(name)
+            except ValueError as exc:
+                raise ValueError(f"lora_modules {name!r}: {exc}") from None
         return self
 
 
