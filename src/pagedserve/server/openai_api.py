@@ -73,7 +73,8 @@ def create_app(state: ServerState, api_key: str | None = None,
     state.metrics.watch_transfers()
     auth = [] if api_key is None else [Depends(_auth_dependency(api_key))]
     app.include_router(_api_routes(state, auth))
-    app.include_router(lora_routes(state), dependencies=auth, responses=ROUTE_ERRORS)
+    # Adapter loads name files on this host: a peer's signature is their authentication, not --api-key's.
+    app.include_router(lora_routes(state), responses=ROUTE_ERRORS)
     if state.disagg.role is not None:  # a disaggregated worker: its peers' routes, signed, not --api-key's
         app.include_router(peer_routes(state))
     app.include_router(_open_routes(state))
