@@ -123,6 +123,20 @@ def create_app(config: ClusterConfig, peer_key: PeerKey | None = None) -> FastAP
         return JSONResponse({"object": "list", "data": [
             {"id": m, "object": "model", "created": 0, "owned_by": "pagedserve"} for m in ids]})
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        """A healthy replica's (every replica serves the same model): remote tokenizers (lm-eval) read it."""
+        router: Router = request.app.state.router
+        for replica in [r for r in router.replicas if r.healthy and r.kv_role != "prefill"]:
+            try:
+                answer = await router.health.client.get(replica.url + "/tokenizer_info",
+                                                        timeout=router.config.health_timeout_s)
+            except httpx.HTTPError:
+                continue
+            if answer.status_code == 200:
+                return Response(answer.content, media_type="application/json")
+        return error_response(503, "no healthy replica answered /tokenizer_info", code="no_replica")
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(request.app.state.router.metrics.registry),
