@@ -69,10 +69,10 @@ class Answer:
     trace_id: str
 
 
-def ask(gw: dict, question: str, stream: bool = False, first_event: threading.Event | None = None) -> Answer:
+def ask(gw: dict, question: str, stream: bool = False, first_event: threading.Event | None = None, **extra) -> Answer:
     """One chat request; a streamed one is read to its end ([DONE]), first_event set at its first text."""
     body = {"model": "chat", "messages": [{"role": "user", "content": question}], "max_tokens": 8,
-            "temperature": 0, "stream": stream}
+            "temperature": 0, "stream": stream, **extra}
     if not stream:
         r = httpx.post(gw["url"] + "/v1/chat/completions", json=body, headers=gw["auth"], timeout=120)
         text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else None
@@ -144,6 +144,17 @@ def test_identical_concurrent_misses_share_one_provider_call(gw, stub):
     assert rows[0]["cost_usd"] > 0 and all(t["cost_usd"] == 0 and t["attempts"] == [] for t in rows[1:])
     assert {t["coalesced_with"] for t in rows[1:]} == {answers[0].trace_id}
     assert ask(gw, question).cache == "hit"
+
+
+def test_requests_offering_tools_are_not_coalesced(gw, stub):
+    """Their answer is often a tool call, which is never handed to another request: each calls on its own."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    set_stub_gate(stub, False)
+    with ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(ask, gw, "What is the weather in Lyon?", tools=tools) for _ in range(2)]
+        wait_for(lambda: stub_state(stub)["waiting"] == 2, 30, "both requests at the provider")
+        set_stub_gate(stub, True)
+        assert [a.result().cache for a in answers] == ["miss", "miss"]
 
 
 def test_streamed_waiters_follow_the_leaders_stream_live(gw, stub):

@@ -100,14 +100,9 @@ class Gateway:
             call = await self.admission.admit(request, kind, trace)
             cacheable = self.caching.cacheable(call)
             if cacheable:
-                joined, leads = self.flights.join(self.caching.flight_key(call), trace.trace_id)
-                if leads:
-                    flight = joined
-                else:
-                    served = await self.wait(call, joined)
-                    if served is not None:
-                        return served
-                    flight = self.flights.alone(joined.key, trace.trace_id)  # released: on its own
+                flight, served = await self.board(call)
+                if served is not None:
+                    return served
             speculation = self.speculate(call, cacheable)
             if speculation is not None:
                 await speculation.on_the_wire()
@@ -153,14 +148,26 @@ class Gateway:
             if flight is not None and flight.tee is None:  # landed already, unless it failed on the way
                 self.flights.land(flight, None)
 
+    async def board(self, call: Call) -> tuple[Flight | None, Response | None]:
+        """The flight a cacheable request takes: one it leads, or, when an identical request leads one, that
+        one's answer (served: no flight of its own); released by it, or offering tools, it flies alone."""
+        key, trace_id = self.caching.flight_key(call), call.trace.trace_id
+        if not call.request.offers_tools:  # its answer is often a tool call, never shared: it would only wait longer
+            flight, leads = self.flights.join(key, trace_id)
+            if leads:
+                return flight, None
+            served = await self.wait(call, flight)
+            if served is not None:
+                return None, served
+        return self.flights.alone(key, trace_id), None
+
     async def wait(self, call: Call, flight: Flight) -> Response | None:
         """An identical request leads a flight: its answer, as soon as there is one to give (None: go alone)."""
         call.trace.coalesced_with = flight.leader_trace
         flight.waiting += 1
         try:
             await flight.moved.wait()
-            live = call.request.stream and not call.request.offers_tools
-            if flight.tee is not None and live and not flight.landed.is_set():
+            if flight.tee is not None and call.request.stream and not flight.landed.is_set():
                 call.trace.cache = "coalesced"
                 call.served_sources = flight.sources
                 return StreamingResponse(self.relay(call, flight.target, flight.tee.follow(), charged=False),

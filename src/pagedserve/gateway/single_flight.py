@@ -9,9 +9,9 @@ alone, so a failing provider is not tried once per waiter in a row.
 
 A streamed leader's provider stream is read by a pump (StreamTee) that buffers its events, so a waiter that
 streams follows the same events as they come, from the first, instead of waiting for the end; the upstream
-call is dropped only when every reader has gone. A request that offers tools is never followed live: a tool
-call must not be handed to another request, and is only known at the end. The pump stores the answer before
-any reader sees the stream end, so the same question asked after [DONE] is a hit.
+call is dropped only when every reader has gone. The pump stores the answer before any reader sees the stream
+end, so the same question asked after [DONE] is a hit. A request that offers tools flies alone: its answer is
+often a tool call, which is never handed to another request, so waiting for it would only double a wait.
 """
 from __future__ import annotations
 
