@@ -301,6 +301,9 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
       "tool_choice": "required"}, "tools"),
+    ({"guided_choice": [str(i) for i in range(1001)]}, "guided_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": "x"}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters.$defs"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
 ]

@@ -131,10 +131,16 @@ def test_a_new_schema_compiles_off_the_step_thread_without_stalling_the_batch():
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
     jsonschema.validate(json.loads(done["json"]), SCHEMAS["person"])
-    # The spec is cached now: the next request with it compiles nothing.
-    count = len(engine.grammars.compile_seconds)
+    # The next request with the spec compiles a matcher of its own (copies of one share a lexer that grows
+    # with every mask), off the step thread too; its checks are not repeated.
+    engine.grammars.compile = compile_real
+    checked, compiles = engine.grammars.cached_bytes(), engine.grammars.compiles
     engine.add_request("again", "Another person:", guided(json=SCHEMAS["person"], temperature=0))
-    assert not engine.pending and len(engine.grammars.compile_seconds) == count
+    assert engine.pending
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
+    jsonschema.validate(json.loads(done["again"]), SCHEMAS["person"])
+    assert engine.grammars.compiles == compiles + 1 and engine.grammars.cached_bytes() == checked
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -143,11 +149,70 @@ def test_a_new_schema_compiles_off_the_step_thread_without_stalling_the_batch():
     ({"regex": "(ab"}, "regex"),
     ({"grammar": "start: undefined_rule"}, "undefined_rule"),
     ({"json": {"type": "string", "pattern": "(?=x)y"}}, "look"),
+    # issue #36: past the limits, refused before anything is built
+    ({"json": {"type": "string", "pattern": "^(a{1000}){1000}$"}}, "unroll to 1000000 characters"),
+    ({"regex": r"(\d{100}){101}"}, "unroll to 10100 characters"),
+    ({"grammar": 'start: ("a"{1000}){1000}'}, "counted repetitions"),
+    ({"grammar": "root ::= [a-z]{1000000}"}, "counted repetitions"),
+    ({"choice": [str(i) for i in range(1001)]}, "more than 1000 alternatives"),
+    ({"json": {"anyOf": [{"const": i} for i in range(600)], "enum": list(range(401))}}, "more than 1000 alternatives"),
+    ({"json": {"type": "object", "properties": {f"p{i}": {} for i in range(1001)}}}, "more than 1000 properties"),
+    ({"json": {"type": "array", "items": {"type": "integer", "examples": [1] * 10_001}}}, "more than 10000 values"),
+    ({"json": json.loads('{"items": ' * 70 + "{}" + "}" * 70)}, "deeper than 64 levels"),
+    ({"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(9000))}, "longer than 65536 bytes"),
+    # and past llguidance's own, found by compiling and computing the first mask
+    ({"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+     "no output can satisfy it"),
+    ({"json": {"type": "integer", "minimum": 10**30}}, "not JSON serializable"),
 ])
 def test_invalid_constraints_are_refused_with_the_reason(llm, spec, message):
-    with pytest.raises(ValueError, match=message):
-        llm.generate("Hi", guided(**spec))
+    """One short line, without llguidance's grammar dump or a panic's backtrace; a spec once refused is refused
+    again at once, without compiling."""
+    for attempt in range(2):
+        compiles = llm.engine.grammars.compiles
+        with pytest.raises(ValueError, match=re.escape(message)) as refused:
+            llm.generate("Hi", guided(**spec))
+        reason = str(refused.value)
+        assert "\n" not in reason and len(reason) < 400 and not re.search("panic|backtrace|<state>", reason)
+        assert llm.engine.grammars.compiles == compiles
     assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].finished  # the engine keeps serving
+
+
+def test_a_runtime_limit_ends_the_request_with_length_and_a_valid_prefix(llm):
+    """A grammar that passes its checks and first mask but hits one of llguidance's limits later (here its
+    Earley parser's 2000 items in a row, on the token after the first) ends with `length`, its output a prefix
+    of a valid one: never `abort`, nor a `stop` that would claim it complete."""
+    words = [f"w{i}" for i in range(2500)]
+    out = llm.generate(chat(llm, "Pick a word."), guided(grammar="start: " + " | ".join(f'"{w}"' for w in words),
+                                                          temperature=0, max_tokens=16))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) < 16
+    assert any(w.startswith(out.text) for w in words), out.text
+
+
+def test_regex_size_unrolls_counted_repetitions():
+    from pagedserve.engine.structured_output import regex_size
+
+    sizes = {"abc": 3, "(ab){3}": 6, "(a{1000}){1000}": 10**6, r"\d{3}-\d{4}": 8, r"\p{Lu}{4}": 4, "(a|bc){2}": 6,
+             "[a-z]{5}": 5, r"[\]\[a]{2}": 2, "[[a-z]&&[^x]]{10}": 10, "(?:ab)+x*": 4, "a{2,5}b{3,}": 8, "{x}": 3}
+    assert {p: regex_size(p) for p in sizes} == sizes
+
+
+def test_the_verdict_cache_is_bounded_in_bytes(llm):
+    """The cache keeps checked grammar texts and refusals, least recently used first out past its budget."""
+    from pagedserve.engine.structured_output import GrammarCompiler, GrammarLimits
+
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.grammars.vocab_size, GrammarLimits(cache_bytes=4096))
+    specs = [GuidedDecodingParams(json={"type": "object", "properties": {f"field_{i}": {"type": "integer"}}})
+             for i in range(40)]
+    for spec in specs:
+        compiler.compile(spec)
+        assert compiler.cached_bytes() <= 4096
+    assert 4096 - 400 < compiler.cached_bytes()  # full, less at most one entry
+    compiles = compiler.compiles
+    compiler.check(specs[-1]).result()  # the latest is still known: nothing compiles
+    assert compiler.compiles == compiles
+    compiler.check(specs[0]).result()  # the first was evicted: checked again
+    assert compiler.compiles == compiles + 1
 
 
 def test_guided_params_need_exactly_one_constraint():

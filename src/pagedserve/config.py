@@ -30,6 +30,9 @@ class EngineConfig:
     max_loras: int = 4  # distinct adapters in one running batch
     max_lora_rank: int = 64
     max_cpu_loras: int = 32  # adapters kept in memory, least recently used evicted first
+    max_guided_choices: int = 1000  # alternatives in one output constraint (engine/structured_output.py)
+    grammar_compile_timeout: float = 10.0  # seconds the server waits for a new constraint to compile
+    grammar_cache_memory: str = "64MiB"  # checked constraints (and refusals) kept
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -84,6 +87,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")
     g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
                    help="adapters kept in memory; the least recently used unpinned one is evicted beyond this")
+    g.add_argument("--max-guided-choices", type=int, default=d.max_guided_choices,
+                   help="most alternatives in one output constraint: guided_choice strings, enum values and "
+                        "anyOf/oneOf branches together (more is a 400)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                   help="seconds a new output constraint (response_format, guided_*, forced tool calls) may take "
+                        "to compile before it is refused with a 400")
+    g.add_argument("--grammar-cache-memory", default=d.grammar_cache_memory,
+                   help="memory for the checked output constraints kept, so a repeated one skips its checks")
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML file whose keys (flag names, dashes or underscores) set values; "
                              "flags given on the command line win")

@@ -22,7 +22,7 @@ from pagedserve.engine.request_group import Pending, RequestGroup
 from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, score_tokens
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.stats import EngineStats
-from pagedserve.engine.structured_output import GrammarCompiler, advance
+from pagedserve.engine.structured_output import GrammarCompiler, GrammarLimits, advance
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.llama import LlamaForCausalLM
@@ -108,7 +108,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_protect_after, config.priority_preemption_delay,
                                    config.max_loras)
-        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size, GrammarLimits.from_config(config))
         self.loras = (LoRAManager(loaded.config, self.dtype, config.max_lora_rank, config.max_cpu_loras)
                       if config.enable_lora else None)
         self.pending: list[Pending] = []  # requests waiting for their grammar or adapter, prepared off this thread
@@ -381,8 +381,8 @@ class LLMEngine:
 
     def _check_finished(self, req: Request, token: int, stop_str: str | None, grammar_end: str | None) -> None:
         p = req.params
-        if grammar_end == "abort":  # the grammar rejected the token: never return output that breaks it
-            req.finish_reason = "abort"
+        if grammar_end == "length":  # the grammar engine hit a limit: the output so far is a valid prefix, cut
+            req.finish_reason = "length"
         elif stop_str is not None:
             req.finish_reason, req.stop_reason = "stop", stop_str
         elif req.num_output_tokens >= p.min_tokens and (

@@ -41,9 +41,17 @@ def _spec(req: SamplingFields, param: str) -> GuidedDecodingParams:
 
 
 async def compile_spec(engine, spec: GuidedDecodingParams, param: str | None) -> None:
-    """Compiles (and so validates) a constraint off the event loop and off the engine's step thread; the engine
-    then finds it cached. An invalid schema, regex or grammar is a 400 naming the field."""
-    try:
-        await asyncio.wrap_future(engine.grammars.submit(spec))
+    """Checks a constraint (compiling it, off the event loop and the engine's step thread) once per distinct spec;
+    the engine then compiles each request's own matcher. A spec that is invalid, past a limit, or slower to
+    compile than --grammar-compile-timeout is a 400 naming the field, and is refused at once from then on."""
+    grammars = engine.grammars
+    try:  # shielded: a spec's check is shared by the requests that wait for it, and runs on if one gives up
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammars.check(spec))),
+                               grammars.limits.compile_timeout)
+    except TimeoutError:
+        reason = (f"it did not compile within {grammars.limits.compile_timeout:g} s (--grammar-compile-timeout); "
+                  "simplify it")
+        grammars.refuse(spec, reason)
+        raise APIError(400, f"{param}: invalid {spec.key[0]} constraint: {reason}", param) from None
     except ValueError as exc:
-        raise APIError(400, str(exc), param) from None
+        raise APIError(400, f"{param}: {exc}", param) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pagedserve.engine.structured_output import GrammarLimits
 from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import (
@@ -18,6 +19,9 @@ from pagedserve.server.protocol import (
     ToolCall,
 )
 from pagedserve.server.tool_parsers import COMPACT_JSON, HermesParser, Llama3JsonParser, ToolParser
+
+# A parameters schema sits two levels down in the call grammar's schema ($defs, then its own name).
+MAX_PARAMETERS_DEPTH = GrammarLimits().max_schema_depth - 2
 
 
 @dataclass(slots=True)
@@ -41,36 +45,72 @@ class ToolPlan:
         arguments follow the function's parameter schema; `auto` and `none` leave the output free."""
         if self.choice in ("none", "auto"):
             return None
-        chosen = [t for t in self.tools if not self.named or t.function.name == self.choice]
         key, defs, one_of = self.parser.args_key, {}, []
-        for i, t in enumerate(chosen):
-            parameters = _hoist_defs(t.function.parameters or {"type": "object"}, f"tool{i}_", defs)
+        for i, t in enumerate(self.tools):
+            if self.named and t.function.name != self.choice:
+                continue
+            defs.update(_hoisted(t.function.parameters or {"type": "object"}, f"tool{i}"))
             one_of.append({"type": "object", "additionalProperties": False, "required": ["name", key],
-                           "properties": {"name": {"const": t.function.name}, key: parameters}})
-        call_json = json.dumps({"x-guidance": COMPACT_JSON, "anyOf": one_of, **({"$defs": defs} if defs else {})})
+                           "properties": {"name": {"const": t.function.name}, key: {"$ref": f"#/$defs/tool{i}"}}})
+        call_json = json.dumps({"x-guidance": COMPACT_JSON, "anyOf": one_of, "$defs": defs})
         return GuidedDecodingParams(grammar=self.parser.grammar(call_json, self.parallel and not self.named))
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return self.parser.parse(text, self.names, self.parallel)
 
 
-def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
-    """A parameters schema nested under the call grammar's root: its `$defs` (or `definitions`) move to the
-    root under prefixed names, and its `#/$defs/...` references follow, so pydantic-made schemas still resolve."""
-    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
-    renamed = {f"#/{kind}/{name}": f"#/$defs/{prefix}{name}" for kind in ("$defs", "definitions") for name in own}
+def _hoisted(parameters: dict, name: str) -> dict:
+    """A parameters schema as `$defs` of the call grammar's schema: itself under `name`, its own `$defs` (or
+    `definitions`) beside it as `name.x`, its references rewritten to follow (`#/$defs/x/...` to `name.x`, any
+    other `#...` into `name`), so pydantic-made schemas resolve. _check_parameters() has bounded its depth."""
+    own = {k: v for kind in ("definitions", "$defs") for k, v in parameters.get(kind, {}).items()}
+
+    def moved(ref: str) -> str:
+        if ref != "#" and not ref.startswith("#/"):
+            return ref  # not a pointer into this document
+        parts = ref[2:].split("/", 2)
+        if len(parts) > 1 and parts[0] in ("$defs", "definitions") and _unescape(parts[1]) in own:
+            return "/".join([f"#/$defs/{name}.{parts[1]}", *parts[2:]])
+        return f"#/$defs/{name}{ref[1:]}"
 
     def rewrite(node):
         if isinstance(node, dict):
-            return {k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v))
-                    for k, v in node.items() if k not in ("$defs", "definitions") or node is not schema}
+            return {k: moved(v) if k == "$ref" and isinstance(v, str) else rewrite(v) for k, v in node.items()}
         if isinstance(node, list):
             return [rewrite(v) for v in node]
         return node
 
-    for name, sub in own.items():
-        defs[f"{prefix}{name}"] = rewrite(sub)
-    return rewrite(schema)
+    root = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    return {name: rewrite(root), **{f"{name}.{k}": rewrite(v) for k, v in own.items()}}
+
+
+def _unescape(token: str) -> str:
+    return token.replace("~1", "/").replace("~0", "~")  # JSON pointer escapes (RFC 6901)
+
+
+def _check_parameters(tools: list[ChatTool]) -> None:
+    """What the server itself walks in a parameters schema (to render and hoist it) has the shape it needs:
+    bounded nesting, and `$defs`/`definitions` that are objects. The rest is the grammar engine's to judge."""
+    for i, t in enumerate(tools):
+        parameters, field_name = t.function.parameters, f"tools.{i}.function.parameters"
+        if parameters is None:
+            continue
+        if _json_depth(parameters) > MAX_PARAMETERS_DEPTH:
+            raise APIError(400, f"{field_name} nests deeper than {MAX_PARAMETERS_DEPTH} levels", field_name)
+        for kind in ("$defs", "definitions"):
+            if not isinstance(parameters.get(kind, {}), dict):
+                raise APIError(400, f"{field_name}.{kind} must be an object of schemas", f"{field_name}.{kind}")
+
+
+def _json_depth(value: object) -> int:
+    """Nesting of objects and arrays, found without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            stack += [(v, depth + 1) for v in (node.values() if isinstance(node, dict) else node)]
+    return deepest
 
 
 def tool_plan(req: ChatCompletionRequest, parser: ToolParser) -> ToolPlan | None:
@@ -81,6 +121,7 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolParser) -> ToolPlan | None
     names = {t.function.name for t in req.tools}
     if len(names) != len(req.tools):
         raise APIError(400, "tool function names must be unique", "tools")
+    _check_parameters(req.tools)
     choice = req.tool_choice or "auto"
     if not isinstance(choice, str):
         choice = choice.function.name
