@@ -296,7 +296,7 @@ ERROR_CASES = [
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "n": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
     ("/v1/completions", {"prompt": "word " * 1500, "max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "prompt"),

@@ -68,11 +68,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     guided_decoding: GuidedDecodingParams | None = None  # constrain the output to a schema, regex or grammar
+    # token id -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias; string ids taken)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
+        if self.logit_bias is not None:
+            self.logit_bias = _token_biases(self.logit_bias)
         self.verify()
 
     @property
@@ -102,3 +106,19 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+def _token_biases(bias: dict) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} (or int keys) as {id: bias}; an empty map is no bias."""
+    result = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}")
+        if token < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {key!r}")
+        result[token] = float(value)
+    return result or None

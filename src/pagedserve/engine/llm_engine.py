@@ -217,6 +217,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if params.seed is not None and not -2**63 <= params.seed < 2**63:
             raise ValueError("seed must fit in a signed 64-bit integer")
         if len(ids) >= self.max_model_len:

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws and logprobs.
+"""Batched sampling: logit biases, penalties, temperature, top-k / top-p / min-p, seeded draws and logprobs.
 
 Every row is sampled by inverse CDF with one uniform number derived from (seed, output position),
 so a seeded request draws the same tokens whatever else shares its batch, and the whole batch is
@@ -28,6 +28,7 @@ class SamplingBatch:
     all_greedy: bool
     need_sort: bool  # some row uses top_k or top_p
     penalties: Penalties | None
+    bias: LogitBias | None  # rows' logit_bias, None when no row has one
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked out, e.g. EOS before min_tokens
     max_logprobs: int | None  # largest number of alternatives asked for; None: no row wants logprobs
     grammar: GrammarMask | None = None  # tokens the constrained rows' grammars allow
@@ -49,6 +50,7 @@ class SamplingBatch:
             need_sort=any(k < vocab_size for k, t in zip(top_k, temps) if t > 0)
             or any(p.top_p < 1 for p, t in zip(ps, temps) if t > 0),
             penalties=Penalties.build(reqs),
+            bias=LogitBias.build(reqs),
             banned=[(i, banned_tokens(r)) for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens],
             max_logprobs=max(wants) if wants else None,
             grammar=grammar,
@@ -57,6 +59,28 @@ class SamplingBatch:
 
 def banned_tokens(req: Request) -> list[int]:
     return list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(req.eos_token_ids))
+
+
+@dataclass(slots=True)
+class LogitBias:
+    """Every biased (row, token) pair of the batch, flat: one indexed add applies them all."""
+    rows: torch.Tensor  # [B] long
+    tokens: torch.Tensor  # [B] long
+    values: torch.Tensor  # [B] float32
+
+    @classmethod
+    def build(cls, reqs: list[Request]) -> LogitBias | None:
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        if not biased:
+            return None
+        return cls(
+            rows=torch.tensor([i for i, bias in biased for _ in bias], dtype=torch.long),
+            tokens=torch.tensor([t for _, bias in biased for t in bias], dtype=torch.long),
+            values=torch.tensor([v for _, bias in biased for v in bias.values()], dtype=torch.float32),
+        )
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.index_put_((self.rows, self.tokens), self.values, accumulate=True)
 
 
 @dataclass(slots=True)
@@ -129,8 +153,11 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """logits: [S, V] float32 (a private copy: modified in place)."""
+    """logits: [S, V] float32 (a private copy: modified in place). Logprobs are the model's own (before any
+    bias, penalty or mask), as vLLM's default; biases come before penalties, as in vLLM."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+    if batch.bias is not None:
+        batch.bias.apply(logits)
     if batch.penalties is not None:
         batch.penalties.apply(logits)
     masked = None

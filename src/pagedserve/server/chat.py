@@ -18,6 +18,7 @@ from pagedserve.server.protocol import (
     KVTransferParams,
     TokenLogprob,
     TopLogprob,
+    Usage,
     random_id,
 )
 from pagedserve.server.serving import (
@@ -99,11 +100,13 @@ def _finish_reason(reason: str | None, called: bool, plan: ToolPlan | None) -> s
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, outputs: AsyncIterator,
                   degraded: list[str] | None, plan: ToolPlan | None) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options
     top = (req.top_logprobs or 0) if req.logprobs else None
+    so_far: Usage | None = None  # with continuous_usage_stats: the usage every chunk carries
 
     def chunk(choice: ChatChunkChoice) -> str:
-        body = ChatCompletionChunk(id=request_id, model=state.response_model(req.model), choices=[choice], degraded=degraded)
+        body = ChatCompletionChunk(id=request_id, model=state.response_model(req.model), choices=[choice],
+                                   degraded=degraded, usage=so_far)
         return sse(body.model_dump_json(exclude_none=True))
 
     sent_text: dict[int, int] = {}
@@ -112,9 +115,13 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
     finished: set[int] = set()
     last: RequestOutput | None = None
     try:
-        for i in range(req.n):
-            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
         async for _, out in outputs:
+            if last is None:  # the stream is primed: the first output is at hand, and with it the prompt's usage
+                so_far = usage([out], generated=False) if options and options.continuous_usage else None
+                for i in range(req.n):
+                    yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            if so_far is not None:
+                so_far = usage([out])
             last = out
             for c in out.outputs:
                 if c.index in finished:
@@ -139,7 +146,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                     yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(),
                                                 finish_reason=_finish_reason(c.finish_reason, called, plan),
                                                 stop_reason=c.stop_reason))
-        if include_usage and last is not None:
+        if options and options.final_usage and last is not None:
             body = ChatCompletionChunk(id=request_id, model=state.response_model(req.model), choices=[], usage=usage([last]))
             yield sse(body.model_dump_json())
     except APIError as exc:

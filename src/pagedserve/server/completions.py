@@ -45,14 +45,22 @@ async def create_completion(state: ServerState, req: CompletionRequest, ctx: Req
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "max_tokens 0 generates nothing: it is allowed only with echo (the prompt alone)",
                        "max_tokens")
+    best_of = req.best_of or req.n
+    if best_of < req.n:
+        raise APIError(400, f"best_of ({best_of}) must be at least n ({req.n})", "best_of")
+    if best_of > req.n and req.stream:
+        raise APIError(400, "best_of cannot be streamed: which samples are best is known only at the end",
+                       "best_of")
     prompts = prompt_list(req.prompt)
     guided, param = guided_spec(req)
     if guided is not None:
         await compile_spec(state.engine, guided, param)
     # echo with logprobs scores the prompt's tokens too (OpenAI's legacy layout; lm-eval's loglikelihood)
     wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
-    params = sampling_params(state, req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs, guided,
-                             max(wanted, default=None))
+    # best_of ranks samples by their tokens' logprobs: it needs the sampled ones' at least
+    logprobs = req.logprobs if best_of == req.n else req.logprobs or 0
+    params = sampling_params(state, req, 1 if req.max_tokens == 0 else req.max_tokens, logprobs, guided,
+                             max(wanted, default=None), n=best_of)
     request_id = random_id("cmpl")
     call = await start_streams(state, ctx, request_id, prompts, params, lora=lora, kv=kv,
                                stream=req.stream)
@@ -62,6 +70,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, ctx: Req
     outputs = await final_outputs(state, call)
     if req.max_tokens == 0:
         _prompt_only(outputs)
+    used = usage(outputs)  # every sample counts, kept or not (as OpenAI bills best_of)
+    if best_of > req.n:
+        _keep_best(outputs, req.n)
     choices = [
         CompletionChoice(
             index=i * req.n + c.index,
@@ -72,8 +83,20 @@ async def create_completion(state: ServerState, req: CompletionRequest, ctx: Req
         )
         for i, out in enumerate(outputs) for c in out.outputs
     ]
-    return CompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=usage(outputs),
+    return CompletionResponse(id=request_id, model=state.response_model(req.model), choices=choices, usage=used,
                               degraded=ctx.degraded, kv_transfer_params=await prefill_handle(state, call, outputs))
+
+
+def _keep_best(outputs: list[RequestOutput], n: int) -> None:
+    """best_of: each prompt's n samples with the highest mean token logprob, renumbered best first."""
+    def mean_logprob(c: CompletionOutput) -> float:
+        chosen = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs or [], strict=False) if t in entry]
+        return sum(chosen) / max(1, len(chosen))
+
+    for out in outputs:
+        out.outputs = sorted(out.outputs, key=mean_logprob, reverse=True)[:n]
+        for index, c in enumerate(out.outputs):
+            c.index = index
 
 
 async def _stream(state: ServerState, req: CompletionRequest, request_id: str, prompts: list,
@@ -82,11 +105,13 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, p
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
     last: dict[int, RequestOutput] = {}
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage)
     try:
         async for i, out in outputs:
             if req.max_tokens == 0:
                 _prompt_only([out])
             last[i] = out
+            so_far = usage([last[j] for j in sorted(last)]) if continuous else None
             for c in out.outputs:
                 index = i * req.n + c.index
                 if index in finished:
@@ -102,13 +127,13 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, p
                 if c.finish_reason:
                     finished.add(index)
                 chunk = CompletionResponse(id=request_id, model=state.response_model(req.model), degraded=degraded,
-                                           choices=[CompletionChoice(
+                                           usage=so_far, choices=[CompletionChoice(
                     index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     logprobs=_choice_logprobs(state, req, prompts[i], out, c, start_tok, first),
                     prompt_logprobs=prompt_logprobs(state, out, req.prompt_logprobs) if first else None,
                 )])
                 yield sse(chunk.model_dump_json(exclude_none=True))
-        if req.stream_options and req.stream_options.include_usage:
+        if req.stream_options and req.stream_options.final_usage:
             outputs = [last[i] for i in sorted(last)]
             chunk = CompletionResponse(id=request_id, model=state.response_model(req.model), choices=[], usage=usage(outputs))
             yield sse(chunk.model_dump_json())

@@ -6,7 +6,9 @@ import uuid
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUseDefault, core_schema
 
 
 def _valid_unicode(text: str) -> str:
@@ -24,10 +26,59 @@ TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # the engine keeps seeds in int64
 Stop = Text | Annotated[list[Text], Field(max_length=16)] | None
+# OpenAI's limits: at most 300 tokens, biases in [-100, 100]; a key is a token id written without leading zeros.
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")],
+                           Annotated[float, Field(ge=-100, le=100)]],
+                      Field(max_length=300, json_schema_extra={"additionalProperties": False})]
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class NullIsDefault:
+    """`null` for an optional field means its default, as in OpenAI's API (SDKs and clients send nulls for
+    fields they leave unset): the value validates as the default, and the schema says null is accepted."""
+
+    @staticmethod
+    def _default_if_null(value: Any) -> Any:
+        if value is None:
+            raise PydanticUseDefault()
+        return value
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_before_validator_function(self._default_if_null, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: Any) -> dict:
+        return {"anyOf": [handler(schema), {"type": "null"}]}
+
+
+OrDefault = NullIsDefault()
+IGNORED = "x-pagedserve-ignored"  # marks a field that is accepted and not acted upon
+
+
+def ignored(what: str) -> Any:
+    """An OpenAI field this server accepts (typed, so a malformed value is still a 400) but does not act on:
+    marked IGNORED, so that serving.py logs each one a request sets at debug level, and left out of model_dump
+    so that nothing downstream sees it."""
+    return Field(None, description=f"accepted and ignored: {what}", exclude=True, json_schema_extra={IGNORED: True})
+
+
+def ignored_fields(model: BaseModel, path: str = "") -> set[str]:
+    """The ignored fields a request sets, as paths without indices ('store', 'messages.audio')."""
+    found: set[str] = set()
+    for name in model.model_fields_set:
+        value, info = getattr(model, name), type(model).model_fields[name]
+        if value is not None and _is_ignored(info):
+            found.add(path + name)
+        for child in value if isinstance(value, list) else [value]:
+            if isinstance(child, BaseModel):
+                found |= ignored_fields(child, f"{path}{name}.")
+    return found
+
+
+def _is_ignored(info: FieldInfo) -> bool:
+    return isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get(IGNORED) is True
 
 
 class StrictModel(BaseModel):
@@ -69,7 +120,19 @@ class ErrorResponse(BaseModel):
 # ---- shared request parts ----
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: bool | None = Field(None, description="a last chunk with the usage (choices empty); default "
+                                       "false, true when continuous_usage_stats is")
+    continuous_usage_stats: Annotated[bool, OrDefault] = Field(
+        False, description="vLLM extra: every chunk carries the usage so far (with include_usage, its default)")
+    include_obfuscation: bool | None = ignored("no obfuscation field is ever sent")
+
+    @property
+    def final_usage(self) -> bool:
+        return self.continuous_usage_stats if self.include_usage is None else self.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.continuous_usage_stats and self.final_usage
 
 
 class JSONSchemaFormat(StrictModel):
@@ -145,21 +208,21 @@ class SamplingFields(StrictModel):
     """Sampling fields common to completions and chat, including vLLM's extras."""
 
     model: Text | None = Field(None, description="served model name; defaults to the one model served")
-    n: int = Field(1, ge=1, le=64)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="vLLM extra: -1 or 0 disables")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extra")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM extra")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    n: Annotated[int, OrDefault] = Field(1, ge=1, le=64)
+    temperature: Annotated[float, OrDefault] = Field(1.0, ge=0.0, le=2.0)
+    top_p: Annotated[float, OrDefault] = Field(1.0, gt=0.0, le=1.0)
+    top_k: Annotated[int, OrDefault] = Field(-1, ge=-1, description="vLLM extra: -1 or 0 disables")
+    min_p: Annotated[float, OrDefault] = Field(0.0, ge=0.0, le=1.0, description="vLLM extra")
+    repetition_penalty: Annotated[float, OrDefault] = Field(1.0, gt=0.0, description="vLLM extra")
+    presence_penalty: Annotated[float, OrDefault] = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Annotated[float, OrDefault] = Field(0.0, ge=-2.0, le=2.0)
     seed: Seed | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extra")
-    ignore_eos: bool = Field(False, description="vLLM extra")
-    min_tokens: int = Field(0, ge=0, description="vLLM extra")
-    skip_special_tokens: bool = Field(True, description="vLLM extra")
-    include_stop_str_in_output: bool = Field(False, description="vLLM extra")
+    ignore_eos: Annotated[bool, OrDefault] = Field(False, description="vLLM extra")
+    min_tokens: Annotated[int, OrDefault] = Field(0, ge=0, description="vLLM extra")
+    skip_special_tokens: Annotated[bool, OrDefault] = Field(True, description="vLLM extra")
+    include_stop_str_in_output: Annotated[bool, OrDefault] = Field(False, description="vLLM extra")
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM extra: each prompt token's logprob "
                                         "and this many alternatives (the first token's is null)")
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: "
@@ -169,7 +232,9 @@ class SamplingFields(StrictModel):
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = Field(
         None, description="vLLM extra: the output is one of these strings")
     guided_grammar: Text | None = Field(None, description="vLLM extra: a Lark or GBNF (EBNF) grammar")
-    stream: bool = False
+    logit_bias: LogitBias | None = Field(None, description="token id (a string) -> bias added to its logit before "
+                                         "sampling: -100 bans it, 100 all but forces it; logprobs stay the model's own")
+    stream: Annotated[bool, OrDefault] = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: int | Literal["critical", "standard", "sheddable"] | None = Field(
@@ -201,9 +266,19 @@ class CompletionRequest(SamplingFields):
         list[TokenIds], Field(min_length=1)] = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists (none empty)")
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt (and its logprobs) alone")
-    echo: bool = Field(False, description="the prompt before the completion; with logprobs, the prompt's tokens' "
-                                          "logprobs too (the first is null)")
+    echo: Annotated[bool, OrDefault] = Field(False, description="the prompt before the completion; with logprobs, "
+                                             "the prompt's tokens' logprobs too (the first is null)")
     logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1, le=64, description="samples this many per prompt and returns the n "
+                                "with the highest mean token logprob; at least n; not with stream")
+    suffix: Text | None = Field(None, description="fill-in-the-middle: refused unless empty (no such format here)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported: this server has no fill-in-the-middle format")
+        return suffix
 
 
 class CompletionLogprobs(BaseModel):
@@ -260,6 +335,13 @@ class CompletionResponse(BaseModel):
 class TextPart(StrictModel):
     type: Literal["text"]
     text: Text
+    prompt_cache_breakpoint: dict | None = ignored("the prefix cache is automatic")
+
+
+class RefusalPart(StrictModel):
+    """An assistant's refusal as returned by OpenAI, sent back: rendered as the turn's text."""
+    type: Literal["refusal"]
+    refusal: Text
 
 
 class FunctionCall(StrictModel):
@@ -273,24 +355,57 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
+def legacy_call_id(name: str) -> str:
+    """The id that ties a legacy function_call to the `function` message answering it (they have none)."""
+    return f"call_{name}"
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    """OpenAI's messages, as sent and as the SDK returns them; a `function` result becomes a tool result, an
+    assistant's function_call its one tool call, and refusals its text, so that only those shapes go on."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Text | list[TextPart | RefusalPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls")
     tool_call_id: Text | None = Field(None, description="a tool turn: the call it answers")
+    function_call: FunctionCall | None = Field(None, exclude=True, description="deprecated by OpenAI: an assistant "
+                                               "turn's one call, taken as its tool call")
+    refusal: Text | None = Field(None, exclude=True, description="an assistant's refusal: the turn's text")
+    annotations: list[dict] | None = ignored("an assistant turn's citations")
+    audio: dict | None = ignored("an assistant turn's audio")
 
     @model_validator(mode="after")
     def _tool_fields(self):
+        self._normalize()
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
         return self
 
+    def _normalize(self) -> None:
+        refusing = self.refusal is not None or any(isinstance(p, RefusalPart) for p in self.content or ())
+        if (refusing or self.function_call is not None) and self.role != "assistant":
+            raise ValueError("only assistant messages carry refusal or function_call")
+        if self.role == "function":
+            if self.name is None:
+                raise ValueError("a function message needs the name of the function it answers")
+            self.role, self.tool_call_id = "tool", legacy_call_id(self.name)
+        if self.function_call is not None:
+            if self.tool_calls:
+                raise ValueError("an assistant message carries function_call or tool_calls, not both")
+            self.tool_calls = [ToolCall(id=legacy_call_id(self.function_call.name), function=self.function_call)]
+            self.function_call = None
+        if isinstance(self.content, list):
+            self.content = [TextPart(type="text", text=p.refusal) if isinstance(p, RefusalPart) else p
+                            for p in self.content]
+        if self.refusal is not None:
+            self.content, self.refusal = self.text() + self.refusal, None
+
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content)  # refusal parts are text parts by now
         return self.content or ""
 
 
@@ -328,13 +443,36 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Annotated[bool, OrDefault] = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
     tools: list[ChatTool] | None = Field(None, min_length=1, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default auto when tools are given")
-    parallel_tool_calls: bool = True
-    add_generation_prompt: bool = Field(True, description="vLLM extra")
+    parallel_tool_calls: Annotated[bool, OrDefault] = True
+    # OpenAI's legacy function calling, parsed; ignored (and logged so) until tools.py maps it onto tools
+    functions: Annotated[list[FunctionDefinition], Field(min_length=1, max_length=128)] | None = Field(
+        None, description="deprecated by OpenAI for tools: parsed, not yet offered to the model",
+        json_schema_extra={IGNORED: True})
+    function_call: Literal["none", "auto"] | NamedFunction | None = Field(
+        None, description="deprecated by OpenAI for tool_choice: parsed, not yet acted upon",
+        json_schema_extra={IGNORED: True})
+    add_generation_prompt: Annotated[bool, OrDefault] = Field(True, description="vLLM extra")
+    # OpenAI's fields that do not apply to this server; accepted so that clients written for OpenAI work
+    audio: dict | None = ignored("audio output (text only here)")
+    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+                        Field(max_length=16)] | None = ignored("nothing is stored")
+    modalities: list[Text] | None = ignored("the output is text")
+    moderation: dict | None = ignored("no moderation runs here")
+    prediction: dict | None = ignored("no predicted outputs")
+    prompt_cache_key: Text | None = ignored("the prefix cache is automatic")
+    prompt_cache_options: dict | None = ignored("the prefix cache is automatic")
+    prompt_cache_retention: Text | None = ignored("the prefix cache is automatic")
+    reasoning_effort: Text | None = ignored("no reasoning model")
+    safety_identifier: Text | None = ignored("no abuse monitoring")
+    service_tier: Text | None = ignored("one tier; use priority")
+    store: bool | None = ignored("nothing is stored")
+    verbosity: Text | None = ignored("no such control")
+    web_search_options: dict | None = ignored("no web search")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

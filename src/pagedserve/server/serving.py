@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -38,10 +39,12 @@ from pagedserve.server.protocol import (
     PromptTokensDetails,
     SamplingFields,
     Usage,
+    ignored_fields,
 )
 from pagedserve.server.tool_parsers import HermesParser, ToolParser
 
 ENGINE_RETRY_AFTER_S = 5  # what a 503 for a dead engine tells clients; a supervisor restarts us meanwhile
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,22 +76,30 @@ class ServerState:
 
 
 def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    guided: GuidedDecodingParams | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    guided: GuidedDecodingParams | None = None, prompt_logprobs: int | None = None,
+                    n: int | None = None) -> SamplingParams:
     """prompt_logprobs: how many alternatives each prompt token's logprob needs (default: the request's own
-    prompt_logprobs)."""
+    prompt_logprobs); n: samples per prompt (default: the request's n)."""
+    for name in sorted(ignored_fields(req)):
+        logger.debug("%s: accepted and ignored (not supported by this server)", name)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     vocab = getattr(state.engine.tokenizer, "vocab_size", None)
     if vocab is not None and any(t >= vocab for t in req.stop_token_ids or []):
         raise APIError(400, f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+    bias = {int(t): b for t, b in (req.logit_bias or {}).items()}
+    if vocab is not None and (outside := [t for t in bias if t >= vocab]):
+        raise APIError(400, f"logit_bias names token {outside[0]}, outside the vocabulary (size {vocab})",
+                       "logit_bias")
     try:
         return SamplingParams(
-            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            n=req.n if n is None else n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
             stop_token_ids=list(req.stop_token_ids or []), max_tokens=max_tokens, min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, guided_decoding=guided,
             prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logit_bias=bias or None,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
@@ -348,9 +359,10 @@ async def prefill_handle(state: ServerState, call: Call, outputs: list[RequestOu
     return await lease(state, call.prompt_ids[0], call.lora, tokens[0] if tokens else None)
 
 
-def usage(outputs: list[RequestOutput]) -> Usage:
+def usage(outputs: list[RequestOutput], generated: bool = True) -> Usage:
+    """generated=False: the prompt's part alone (a stream's first chunks, before any token counts)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     cached = sum(o.num_cached_tokens for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
