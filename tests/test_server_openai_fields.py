@@ -6,6 +6,7 @@ every chunk, in the request shape guidellm sends."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import typing
 
 import httpx
@@ -21,6 +22,7 @@ from guidellm.schemas.base.request import UsageMetrics
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
+from pagedserve import LLM
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import SamplingBatch, sample
 from pagedserve.sampling_params import SamplingParams
@@ -43,8 +45,8 @@ CHAT_FIELDS: dict[str, dict] = {
     "functions": {"functions": [WEATHER]},
     "logit_bias": {"logit_bias": {"198": -5}},
     "logprobs": {"logprobs": True},
-    "max_completion_tokens": {"max_completion_tokens": 2},
-    "max_tokens": {"max_tokens": 2},
+    "max_completion_tokens": {"max_completion_tokens": 1},
+    "max_tokens": {"max_tokens": 1},
     "metadata": {"metadata": {"run": "fields-test"}},
     "modalities": {"modalities": ["text"]},
     "moderation": {"moderation": {"model": "omni-moderation-latest", "policy": {"input": {"mode": "score"}}}},
@@ -80,7 +82,7 @@ COMPLETION_FIELDS: dict[str, dict] = {
     "frequency_penalty": {"frequency_penalty": 0.5},
     "logit_bias": {"logit_bias": {"198": -5}},
     "logprobs": {"logprobs": 2},
-    "max_tokens": {"max_tokens": 2},
+    "max_tokens": {"max_tokens": 1},
     "n": {"n": 2},
     "presence_penalty": {"presence_penalty": 0.5},
     "seed": {"seed": 7},
@@ -137,7 +139,7 @@ def test_the_table_covers_every_field_of_the_sdk(params, table):
 
 def test_every_documented_chat_field_is_accepted(client):
     for field, extra in CHAT_FIELDS.items():
-        body = {"model": MODEL, "messages": [USER], "max_completion_tokens": 2, **extra}
+        body = {"model": MODEL, "messages": [USER], "max_completion_tokens": 1, **extra}
         try:
             create(client.chat.completions.create, body)
         except openai.APIStatusError as exc:
@@ -146,7 +148,7 @@ def test_every_documented_chat_field_is_accepted(client):
 
 def test_every_documented_completion_field_is_accepted(client):
     for field, extra in COMPLETION_FIELDS.items():
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **extra}
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, **extra}
         try:
             create(client.completions.create, body)
         except openai.APIStatusError as exc:
@@ -193,9 +195,9 @@ def test_ignored_fields_are_the_ones_logged():
     req = ChatCompletionRequest.model_validate({
         "messages": [USER, {"role": "assistant", "content": "Apple", "annotations": [], "audio": {"id": "a1"}}],
         "store": True, "metadata": None, "stream": True, "stream_options": {"include_obfuscation": True},
-        "temperature": 0, "functions": [WEATHER]})
+        "temperature": 0})
     assert ignored_fields(req) == {"store", "messages.annotations", "messages.audio",
-                                   "stream_options.include_obfuscation", "functions"}
+                                   "stream_options.include_obfuscation"}
 
 
 # ---- messages as the SDK returns them ----
@@ -300,6 +302,17 @@ def test_sampler_adds_each_rows_bias_to_that_row_only():
     with pytest.raises(ValueError, match=r"\[-100, 100\]"):
         SamplingParams(logit_bias={1: 101})
     assert SamplingBatch.build(reqs[:1], 4).bias is None  # requests without it pay nothing
+
+
+def test_offline_logit_bias_bans_forces_and_is_checked_against_the_vocabulary():
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    first = llm.generate([PROMPT], greedy)[0].outputs[0].token_ids[0]
+    comma = llm.tokenizer.encode(",", add_special_tokens=False)[0]
+    biased = dataclasses.replace(greedy, logit_bias={first: -100, str(comma): 100})  # OpenAI's string ids too
+    assert llm.generate([PROMPT], biased)[0].outputs[0].token_ids == [comma] * 4
+    with pytest.raises(ValueError, match="logit_bias token ids must be in"):
+        llm.generate([PROMPT], dataclasses.replace(greedy, logit_bias={llm.engine.model_config.vocab_size: 1}))
 
 
 # ---- usage in every chunk ----
