@@ -25,6 +25,7 @@ LONE = "a\ud800b"  # sent as the JSON escape "a\ud800b" (json.dumps escapes it: 
 MINIMAL = {  # a valid body per operation, which the test then spoils one field at a time
     "/v1/chat/completions": {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/completions": {"model": "chat", "prompt": "hi", "max_tokens": 2},
+    "/v1/responses": {"model": "chat", "input": "hi", "max_output_tokens": 2},
     "/admin/keys": {"user": "x"},
     "/admin/sources/{name}/bump": {},
     "/admin/index/{source}/documents": {"documents": [{"name": "a.md", "content": "# A\n\ntext"}]},

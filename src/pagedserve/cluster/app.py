@@ -23,15 +23,18 @@ from pagedserve.cluster.router import Router
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.peer_auth import HEADER as PEER_HEADER
 from pagedserve.server.peer_auth import PeerKey
+from pagedserve.server.responses_protocol import REPLICA_TAG_HEADER
 
 log = logging.getLogger(__name__)
 
 DROPPED_HEADERS = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
                    b"upgrade", b"accept-encoding", b"proxy-authorization", b"proxy-connection",
-                   PEER_HEADER.encode()}
+                   PEER_HEADER.encode(), REPLICA_TAG_HEADER.encode()}
 # Fields of the workers' peer routes that a client's body may not carry to a replica: dropped on the way in.
 INTERNAL_FIELDS = frozenset({"kv_transfer_params"})
 MAX_TOKENS_ESTIMATE = 1 << 20  # bounds the load one request can claim in the policies' estimates
+# A Responses API item that is not a message: the turn it stands for in the prefix key, and its text field.
+ITEM_TURNS = {"function_call": ("assistant", "arguments"), "function_call_output": ("tool", "output")}
 
 
 def _text(content) -> str:
@@ -49,6 +52,15 @@ def prefix_key(endpoint: str, payload: dict):
             return ""
         return "".join(f"<|{m.get('role', '')}|>{_text(m.get('content'))}\n" for m in messages
                        if isinstance(m, dict))
+    if endpoint == "/v1/responses":  # instructions are the system turn; a string input is one user turn
+        given, instructions = payload.get("input"), payload.get("instructions")
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        turns = [("system", instructions)] if isinstance(instructions, str) else []
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, dict):
+                role, text = ITEM_TURNS.get(item.get("type"), (item.get("role", ""), "content"))
+                turns.append((role, item.get(text)))
+        return "".join(f"<|{role}|>{_text(content)}\n" for role, content in turns)
     if endpoint == "/v1/completions":
         prompt = payload.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -62,7 +74,8 @@ def prefix_key(endpoint: str, payload: dict):
 def routing_request(endpoint: str, payload: dict, session: str | None) -> RoutingRequest:
     key = prefix_key(endpoint, payload)
     prompt_tokens = len(key) // 4 + 1 if isinstance(key, str) else len(key)
-    max_tokens = _count(payload.get("max_completion_tokens") or payload.get("max_tokens"), 16)
+    max_tokens = _count(payload.get("max_completion_tokens") or payload.get("max_tokens")
+                        or payload.get("max_output_tokens"), 16)
     samples = _count(payload.get("n"), 1) or 1
     session = session or payload.get("user")
     return RoutingRequest(prefix_key=key, session=str(session) if session else None,
@@ -142,7 +155,8 @@ def create_app(config: ClusterConfig, peer_key: PeerKey | None = None) -> FastAP
         return Response(generate_latest(request.app.state.router.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    for endpoint in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
+    for endpoint in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+                     "/detokenize"):
         app.add_api_route(endpoint, _proxy_handler(endpoint), methods=["POST"], include_in_schema=False)
     return app
 
@@ -178,4 +192,6 @@ async def read_request(request: Request, endpoint: str, config: ClusterConfig) -
     req = routing_request(endpoint, payload, client_input.single(headers, config.session_header))
     model = payload.get("model") if isinstance(payload.get("model"), str) else None
     passed = [(k, v) for k, v in headers.raw if k.lower() not in DROPPED_HEADERS]  # repeats kept, as sent
-    return Forward(endpoint, body, passed, req, bool(payload.get("stream")), residency, client_region, model)
+    previous = payload.get("previous_response_id") if endpoint == "/v1/responses" else None
+    return Forward(endpoint, body, passed, req, bool(payload.get("stream")), residency, client_region, model,
+                   previous_response=previous if isinstance(previous, str) else None)

@@ -15,6 +15,7 @@ this request without blame. A client that leaves cancels the upstream request, s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -29,9 +30,11 @@ from fastapi.responses import Response, StreamingResponse
 from pagedserve.cluster.client_input import Refusal
 from pagedserve.cluster.disagg import prefill_first
 from pagedserve.cluster.policies import RoutingRequest
+from pagedserve.cluster.regions import allowed_by_residency
 from pagedserve.cluster.replica import Replica
 from pagedserve.cluster.router import NoReplicaError, Router
 from pagedserve.server.errors import error_response
+from pagedserve.server.responses_protocol import REPLICA_TAG_HEADER, replica_tag_of
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class Forward:
     client_region: str | None
     model: str | None
     path: str = ""  # where the replicas get it, when not at endpoint (a worker's peer route, signed)
+    previous_response: str | None = None  # /v1/responses: the stored response it continues (on one replica)
 
 
 @dataclass(slots=True)
@@ -92,6 +96,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def forward(router: Router, fwd: Forward) -> Response:
+    if fwd.previous_response is not None and replica_tag_of(fwd.previous_response) is not None:
+        return await _to_holder(router, fwd)
     if router.disaggregated:
         fwd = await prefill_first(router, fwd)
     tried: list[str] = []
@@ -136,8 +142,45 @@ async def forward(router: Router, fwd: Forward) -> Response:
         503, f"gave up after {len(tried)} attempts{scope}: {' | '.join(failures)}", code="replicas_failed")
 
 
+async def _to_holder(router: Router, fwd: Forward) -> Response:
+    """A request continuing a stored response goes to the replica whose tag its id carries, the only one that
+    holds it: no failover (elsewhere it is unknown), and a 404 when that replica is gone."""
+    response_id = fwd.previous_response
+    holder = next((r for r in router.replicas if r.tag == replica_tag_of(response_id)), None)
+    why = _unreachable(holder, fwd.residency)
+    if why is not None:
+        return error_response(404, f"Previous response with id '{response_id}' not found: {why}. Stored responses "
+                                   "live in the memory of the replica that made them; send the conversation as input "
+                                   "instead.", "previous_response_id", "previous_response_not_found")
+    result = await _attempt(router, holder, fwd)
+    if isinstance(result, Failure):
+        return result.response or error_response(
+            503, f"replica {holder.name}, which holds previous response '{response_id}', failed: {result.reason}",
+            code="replica_failed")
+    return result
+
+
+def _unreachable(holder: Replica | None, residency: frozenset[str]) -> str | None:
+    """Why a stored response's replica cannot answer for it (None: it can)."""
+    if holder is None:
+        return "no replica of this router made it"
+    if not allowed_by_residency(holder, residency):
+        return f"replica {holder.name}, which holds it, is outside this request's residency {sorted(residency)}"
+    if not holder.healthy:
+        return f"replica {holder.name}, which holds it, is unavailable ({holder.ejected_reason})"
+    return None
+
+
+def _tagged(fwd: Forward, replica: Replica) -> Forward:
+    """/v1/responses: the replica writes its tag into the ids of the responses it makes."""
+    if fwd.endpoint != "/v1/responses":
+        return fwd
+    return dataclasses.replace(fwd, headers=[*fwd.headers, (REPLICA_TAG_HEADER.encode(), replica.tag.encode())])
+
+
 async def _attempt(router: Router, replica: Replica, fwd: Forward) -> Response | Failure:
     """One try on one replica: a response for the client, or the Failure that allows a retry."""
+    fwd = _tagged(fwd, replica)
     config = router.config
     timeout = httpx.Timeout(config.stream_idle_timeout_s if fwd.stream else config.request_timeout_s,
                             connect=config.connect_timeout_s)

@@ -1,6 +1,7 @@
 """One replica as the router sees it: where it is, what it may hold, and its live state."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 
@@ -21,6 +22,12 @@ class Replica:
     models: list[str] = field(default_factory=list)
     kv_tokens: int | None = None  # size of its KV pool, from its /metrics
     kv_layout: tuple[str, int, str] | None = None  # (model, block size, KV format), when disaggregated
+
+    @property
+    def tag(self) -> str:
+        """8 hex digits naming this replica in the ids of the responses it makes (/v1/responses), by which a
+        later previous_response_id is routed back to it."""
+        return hashlib.sha256(self.name.encode()).hexdigest()[:8]
 
     def start_request(self, tokens: int) -> None:
         self.inflight_requests += 1

@@ -56,8 +56,8 @@ class Admission:
             raise APIError(403, f"API key {key.key_id} may not use the model '{route.name}'.",
                            code="model_not_allowed", param="model")
         cap = route.max_tokens or self.config.default_max_tokens
-        if req.max_tokens is None and req.max_completion_tokens is None:
-            body["max_tokens"] = req.completion_limit(cap)  # sent, so the provider cannot pass the bound below
+        if req.unbounded:
+            body[req.limit_field] = req.completion_limit(cap)  # sent, so the provider cannot pass the bound below
         prompt_tokens, completion = req.prompt_bound(), req.completion_bound(cap)
         decision = await self.limiter.admit(key, prompt_tokens + completion)
         if not decision.allowed:

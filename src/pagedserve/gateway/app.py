@@ -28,10 +28,11 @@ from pagedserve.gateway.gateway_config import GatewayConfig, Target
 from pagedserve.gateway.index_admin import add_index_routes
 from pagedserve.gateway.limits import RateLimiter
 from pagedserve.gateway.openapi import install_openapi
-from pagedserve.gateway.protocol import ChatRequest, CompletionRequest
+from pagedserve.gateway.protocol import ChatRequest, CompletionRequest, ResponsesRequest
 from pagedserve.gateway.provider_call import outcome, relay, upstream
 from pagedserve.gateway.providers import CallResult, ProviderPool
 from pagedserve.gateway.query_vectors import QueryVectors
+from pagedserve.gateway.responses import handle_responses
 from pagedserve.gateway.retrieval.library import Library
 from pagedserve.gateway.retrieval.retriever import Retriever
 from pagedserve.gateway.retrieving import RetrievalStage
@@ -263,10 +264,11 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, **kwargs) 
     add_admin_routes(app, config, gw.store, gw.budgets, gw.traces, gw.status)
     add_index_routes(app, config, gw.library)
     install_openapi(app, {("/v1/chat/completions", "post"): ChatRequest, ("/v1/completions", "post"): CompletionRequest,
+                          ("/v1/responses", "post"): ResponsesRequest,
                           ("/admin/keys", "post"): KeyCreate, ("/admin/sources/{name}/bump", "post"): SourceBump,
                           ("/admin/index/{source}/documents", "post"): IndexAdd,
                           ("/admin/index/{source}/search", "post"): IndexSearch},
-                    {"/v1/chat/completions", "/v1/completions"})
+                    {"/v1/chat/completions", "/v1/completions", "/v1/responses"})
     return app
 
 
@@ -278,6 +280,10 @@ def add_api_routes(app: FastAPI, gw: Gateway) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gw.handle(request, "completions")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await handle_responses(gw, request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

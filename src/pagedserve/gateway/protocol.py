@@ -9,7 +9,7 @@ and token limits reserve that worst case, so it must be a bound the provider's r
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -103,6 +103,7 @@ class StreamOptions(BaseModel):
 
 class GatewayRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # "10" is not a max_tokens: the schema says integer
+    limit_field: ClassVar[str] = "max_tokens"  # where admission writes the bound when the body sets none
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -127,6 +128,11 @@ class GatewayRequest(BaseModel):
     def completion_limit(self, default: int) -> int:
         """Tokens one choice may produce: what the request says, else `default` (which is then forwarded)."""
         return self.max_completion_tokens or self.max_tokens or default
+
+    @property
+    def unbounded(self) -> bool:
+        """Whether the body sets no bound on the tokens of an answer."""
+        return self.max_tokens is None and self.max_completion_tokens is None
 
     def completion_bound(self, default: int) -> int:
         """Completion tokens the whole request may produce: every choice of every prompt."""
@@ -192,6 +198,28 @@ class CompletionRequest(GatewayRequest):
         total = sum(len(p) if isinstance(p, list) else len(p.encode()) for p in prompts)
         suffix = (self.model_extra or {}).get("suffix")
         return total + (_utf8_bytes(suffix) if suffix else 0) + PROMPT_OVERHEAD * len(prompts)
+
+
+class ResponsesRequest(GatewayRequest):
+    """OpenAI's Responses API, forwarded to providers that speak it. Its prompt bound covers the body only: the
+    conversation a previous_response_id continues is stored at the provider, so its tokens are known only from
+    the usage the answer reports (and charged from it)."""
+    limit_field: ClassVar[str] = "max_output_tokens"
+    input: str | list[dict]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    tools: list[dict] | None = Field(None, max_length=128)
+    previous_response_id: str | None = None
+
+    def completion_limit(self, default: int) -> int:
+        return self.max_output_tokens or default
+
+    @property
+    def unbounded(self) -> bool:
+        return self.max_output_tokens is None
+
+    def prompt_bound(self) -> int:
+        return _utf8_bytes([self.input, self.instructions, self.tools]) + PROMPT_OVERHEAD
 
 
 def _utf8_bytes(value) -> int:
@@ -275,7 +303,7 @@ def validation_error(e: ValidationError) -> APIError:
 def parse_request(raw: bytes, kind: str) -> tuple[GatewayRequest, dict]:
     """The validated request and the body to forward; APIError(400) says what is wrong."""
     body = load_json_object(raw)
-    model = ChatRequest if kind == "chat" else CompletionRequest
+    model = {"chat": ChatRequest, "responses": ResponsesRequest}.get(kind, CompletionRequest)
     internal = sorted(INTERNAL_FIELDS & body.keys())
     if internal:
         raise APIError(400, f"{internal[0]} is internal to a pagedserve cluster (its router sets it between its "

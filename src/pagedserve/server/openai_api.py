@@ -36,6 +36,7 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
+from pagedserve.server.responses import responses_routes
 from pagedserve.server.serving import RequestContext, ServerState, respond, until_disconnect
 from pagedserve.server.tools import ToolPlan
 
@@ -45,8 +46,8 @@ ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or server-sent events "
                                                                           "when stream is true"}}
-KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/tokenize",
-               "/detokenize", "/tokenizer_info", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models",
+               "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                "/internal/v1/completions", "/internal/v1/chat/completions", "/internal/v1/kv/info"}
 
 
@@ -73,6 +74,7 @@ def create_app(state: ServerState, api_key: str | None = None,
     state.metrics.watch_transfers()
     auth = [] if api_key is None else [Depends(_auth_dependency(api_key))]
     app.include_router(_api_routes(state, auth))
+    app.include_router(responses_routes(state), dependencies=auth, responses=ROUTE_ERRORS)
     # Adapter loads name files on this host: a peer's signature is their authentication, not --api-key's.
     app.include_router(lora_routes(state), responses=ROUTE_ERRORS)
     if state.disagg.role is not None:  # a disaggregated worker: its peers' routes, signed, not --api-key's
