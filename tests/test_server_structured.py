@@ -169,6 +169,69 @@ def test_streamed_named_tool_call_matches_the_unstreamed_one(client):
     assert calls[0]["id"].startswith("call_")
 
 
+def test_tool_call_arguments_stream_as_the_model_writes_them(client):
+    """OpenAI's shape: the call's first delta has its id, type and name with empty arguments; its arguments
+    follow in fragments, one entry per chunk (instructor's create_partial reads them as they come)."""
+    entries, finish = [], None
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS,
+                                                tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+                                                temperature=0, stream=True):
+        if chunk.choices:
+            finish = chunk.choices[0].finish_reason or finish
+            deltas = chunk.choices[0].delta.tool_calls or []
+            assert len({d.index for d in deltas}) == len(deltas)  # never two entries of one index in a chunk
+            entries += deltas
+    first, fragments = entries[0], entries[1:]
+    assert first.id.startswith("call_") and first.type == "function" and first.function.name == "get_weather"
+    assert first.function.arguments == ""
+    assert len(fragments) >= 3 and all(d.id is None and d.function.name is None for d in fragments)
+    arguments = json.loads("".join(d.function.arguments for d in fragments))
+    assert set(arguments) == {"city", "unit"} and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_cut_by_max_tokens_is_still_a_call(client, stream):
+    """Cut mid-arguments: a tool_calls entry with what was written, finish_reason length (not raw text)."""
+    kwargs = {"model": MODEL, "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": "required",
+                  "parallel_tool_calls": False, "max_tokens": 20, "temperature": 0}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        call = choice.message.tool_calls[0]
+        name, arguments = call.function.name, call.function.arguments
+    else:
+        name, arguments, content, finish = None, "", "", None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+                for d in delta.tool_calls or []:
+                    name, arguments = name or d.function.name, arguments + (d.function.arguments or "")
+        assert finish == "length" and content == ""
+    assert name == "get_weather" and arguments.startswith("{") and "<tool_call>" not in arguments
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)  # cut: what was written so far
+
+
+def test_legacy_functions_are_offered_as_tools_and_answered_in_their_shape(client, server):
+    functions = [t["function"] for t in TOOLS]
+    body = {"model": MODEL, "messages": ASK_WEATHER, "functions": functions, "max_tokens": 80, "temperature": 0,
+            "function_call": {"name": "get_weather"}}
+    answer = httpx.post(server + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
+    call = answer["message"]["function_call"]
+    assert call["name"] == "get_weather" and set(json.loads(call["arguments"])) == {"city", "unit"}
+    assert answer["message"].get("tool_calls") is None and answer["finish_reason"] == "stop"
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                  if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    streamed = [d["function_call"] for d in deltas if d.get("function_call")]
+    assert streamed[0]["name"] == "get_weather" and json.loads(
+        "".join(d.get("arguments") or "" for d in streamed)) == json.loads(call["arguments"])
+    both = httpx.post(server + "/v1/chat/completions", json={**body, "tools": TOOLS}, timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "functions"
+
+
 class Address(BaseModel):
     city: str = Field(max_length=20)
     country: str = Field(max_length=20)

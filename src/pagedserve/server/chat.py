@@ -15,6 +15,7 @@ from pagedserve.server.protocol import (
     ChatMessage,
     ChoiceLogprobs,
     DeltaMessage,
+    DeltaToolCall,
     KVTransferParams,
     TokenLogprob,
     TopLogprob,
@@ -84,18 +85,26 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 def _choice(state: ServerState, c: CompletionOutput, top: int | None, plan: ToolPlan | None) -> ChatChoice:
-    content, calls = plan.parse(c.text) if plan is not None else (c.text, [])
-    return ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls or None),
-                      logprobs=_logprobs(state, c, 0, top) if top is not None else None,
+    content, calls = plan.parse(c.text, cut=c.finish_reason == "length") if plan is not None else (c.text, [])
+    if plan is not None and plan.legacy:
+        message = AssistantMessage(content=content, function_call=calls[0].function if calls else None)
+    else:
+        message = AssistantMessage(content=content, tool_calls=calls or None)
+    return ChatChoice(index=c.index, message=message, logprobs=_logprobs(state, c, 0, top) if top is not None else None,
                       finish_reason=_finish_reason(c.finish_reason, bool(calls), plan),
                       stop_reason=c.stop_reason)
 
 
 def _finish_reason(reason: str | None, called: bool, plan: ToolPlan | None) -> str | None:
-    """OpenAI's: `tool_calls` when the model chose to call (auto, required); a named call ends with `stop`."""
+    """OpenAI's: `tool_calls` (`function_call` for legacy functions) when the model chose to call (auto,
+    required); a named call ends with `stop`; a call cut off ends with `length`."""
     if reason == "stop" and called and plan is not None and not plan.named:
-        return "tool_calls"
+        return "function_call" if plan.legacy else "tool_calls"
     return reason
+
+
+def _call_delta(delta: DeltaToolCall, plan: ToolPlan) -> DeltaMessage:
+    return DeltaMessage(function_call=delta.function) if plan.legacy else DeltaMessage(tool_calls=[delta])
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, outputs: AsyncIterator,
@@ -134,12 +143,17 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                         rest, more = parsers[c.index].finish()
                         text, calls = text + rest, calls + more
                 sent_text[c.index] = len(c.text)
-                if text or calls or (top is not None and len(c.token_ids) > start_tok):
+                if text or not calls and top is not None and len(c.token_ids) > start_tok:
                     sent_tokens[c.index] = len(c.token_ids)
                     yield chunk(ChatChunkChoice(
-                        index=c.index, delta=DeltaMessage(content=text if text or not calls else None,
-                                                          tool_calls=calls or None),
+                        index=c.index, delta=DeltaMessage(content=text),
                         logprobs=_logprobs(state, c, start_tok, top) if top is not None else None))
+                for delta in calls:  # one call delta per chunk: never two entries of one index in a chunk
+                    logprobs = None
+                    if top is not None and len(c.token_ids) > sent_tokens.get(c.index, 0):
+                        logprobs = _logprobs(state, c, sent_tokens.get(c.index, 0), top)
+                        sent_tokens[c.index] = len(c.token_ids)
+                    yield chunk(ChatChunkChoice(index=c.index, delta=_call_delta(delta, plan), logprobs=logprobs))
                 if c.finish_reason:
                     finished.add(c.index)
                     called = c.index in parsers and bool(parsers[c.index].calls)

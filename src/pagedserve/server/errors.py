@@ -21,6 +21,7 @@ _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

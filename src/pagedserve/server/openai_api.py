@@ -42,7 +42,7 @@ from pagedserve.server.tools import ToolPlan
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)
+    status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 500, 503, 504)
 }
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or server-sent events "
                                                                           "when stream is true"}}

@@ -449,13 +449,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default auto when tools are given")
     parallel_tool_calls: Annotated[bool, OrDefault] = True
-    # OpenAI's legacy function calling, parsed; ignored (and logged so) until tools.py maps it onto tools
+    # OpenAI's legacy function calling: offered as tools (server/tools.py), answered in its own shape
     functions: Annotated[list[FunctionDefinition], Field(min_length=1, max_length=128)] | None = Field(
-        None, description="deprecated by OpenAI for tools: parsed, not yet offered to the model",
-        json_schema_extra={IGNORED: True})
+        None, description="deprecated by OpenAI for tools: offered to the model as tools; the answer's call comes "
+                          "back as message.function_call")
     function_call: Literal["none", "auto"] | NamedFunction | None = Field(
-        None, description="deprecated by OpenAI for tool_choice: parsed, not yet acted upon",
-        json_schema_extra={IGNORED: True})
+        None, description="deprecated by OpenAI for tool_choice: none, auto or {name}")
     add_generation_prompt: Annotated[bool, OrDefault] = Field(True, description="vLLM extra")
     # OpenAI's fields that do not apply to this server; accepted so that clients written for OpenAI work
     audio: dict | None = ignored("audio output (text only here)")
@@ -499,6 +498,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = Field(None, description="the call, for a request with legacy functions")
 
 
 class DeltaFunctionCall(BaseModel):
@@ -538,6 +538,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = Field(None, description="for a request with legacy functions")
 
 
 class ChatChunkChoice(BaseModel):
