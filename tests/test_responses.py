@@ -100,6 +100,9 @@ def test_previous_response_id_continues_the_stored_conversation(client):
     assert second.previous_response_id == first.id and second.instructions is None
     assert second.output_text == same.choices[0].message.content
     assert second.usage.input_tokens == same.usage.prompt_tokens > first.usage.total_tokens - 8
+    by_hand = client.responses.create(model=MODEL, max_output_tokens=12, temperature=0, input=[
+        {"role": "user", "content": "My name is Ada. Say OK."}, *first.output, {"role": "user", "content": "What is my name?"}])
+    assert by_hand.output_text == second.output_text  # the SDK's output items sent back as input
     assert client.responses.retrieve(second.id).output_text == second.output_text
     client.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError):
