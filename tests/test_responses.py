@@ -227,6 +227,23 @@ def test_an_error_mid_stream_is_an_error_event():
     assert len(store) == 0
 
 
+def test_the_store_keeps_its_bounds():
+    """Count, bytes and age, least recently used out first (the store on its own: an hour is too long to wait)."""
+    store = ResponseStore(max_age_s=3600, max_responses=2, max_bytes=100)
+    for name in ("a", "b"):
+        assert store.put(name, {}, (), 10)
+    assert store.get("a") is not None  # now b is the least recently used
+    store.put("c", {}, (), 10)
+    assert store.get("b") is None and len(store) == 2
+    assert store.get("a") is not None and store.get("c") is not None  # a is the least recently used again
+    store.put("d", {}, (), 85)  # over 100 bytes with a and c: the least recently used goes until it fits
+    assert store.get("a") is None and store.get("c") is not None and store.get("d") is not None
+    assert not store.put("huge", {}, (), 101) and store.get("huge") is None
+    old = ResponseStore(max_age_s=0.0)
+    old.put("x", {}, (), 1)
+    assert old.get("x") is None and len(old) == 0
+
+
 LONE = "@lone@"  # sent as a JSON escape of a lone surrogate, which no encoder takes
 F = {"type": "function", "name": "f"}
 HOSTILE = [
