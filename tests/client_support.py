@@ -178,8 +178,11 @@ def install_node_openai(folder: Path) -> Path | None:
     if shutil.which("node") is None or shutil.which("npm") is None:
         return None
     (folder / "package.json").write_text(json.dumps({"name": "pagedserve-compat", "private": True}))
-    subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error", f"openai@{NODE_OPENAI}"],
-                   cwd=folder, check=True, capture_output=True, timeout=300)
+    done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error", f"openai@{NODE_OPENAI}"],
+                          cwd=folder, check=False, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"npm install openai@{NODE_OPENAI} failed (the npm registry must be reachable):\n"
+                           f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return folder
 
 
