@@ -94,16 +94,21 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def continuation_logprobs(model, context: list[int], continuations: list[list[int]]) -> list[float]:
-    """log p(continuation | context) for each continuation, from one transformers forward pass over the batch
-    (right-padded: a causal model's positions never see the padding after them)."""
+def continuation_logprobs(model, context: list[int], continuations: list[list[int]]) -> list[tuple[float, bool]]:
+    """(log p(continuation | context), whether greedy decoding would write it) for each continuation, from one
+    transformers forward pass over the batch (right-padded: a causal model's positions never see the padding after
+    them)."""
     rows = [context + c for c in continuations]
     width = max(map(len, rows))
     with torch.inference_mode(), one_thread():
         logits = model(torch.tensor([row + [0] * (width - len(row)) for row in rows])).logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
-    return [sum(logprobs[b, len(context) + i - 1, t].item() for i, t in enumerate(c))
-            for b, c in enumerate(continuations)]
+    scores = []
+    for b, c in enumerate(continuations):
+        positions = [len(context) + i - 1 for i in range(len(c))]
+        scores.append((sum(logprobs[b, p, t].item() for p, t in zip(positions, c, strict=True)),
+                       all(logprobs[b, p].argmax().item() == t for p, t in zip(positions, c, strict=True))))
+    return scores
 
 
 def greedy_text(model, tokenizer, ids: list[int], max_tokens: int, stop: str) -> str:
@@ -120,6 +125,7 @@ def greedy_text(model, tokenizer, ids: list[int], max_tokens: int, stop: str) ->
 class ReferenceScores:
     """What lm-eval should report for the suite's tasks, computed from transformers on the same weights."""
     choice_logprobs: list[list[float]]  # per question, per choice
+    choice_greedy: list[list[bool]]  # whether greedy decoding writes the choice after the question
     answers: list[int]
     loglikelihoods: list[float]  # per paragraph
     words: int
@@ -153,20 +159,23 @@ def reference_scores(model, tokenizer) -> ReferenceScores:
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    choice_logprobs, answers = [], []
+    choice_logprobs, choice_greedy, answers = [], [], []
     for doc in read_jsonl("compat_mc.jsonl"):
         context = f"Question: {doc['question']}\nAnswer:"
         context_ids = encode(context)
         wholes = [encode(f"{context} {choice}") for choice in doc["choices"]]
         assert all(whole[:len(context_ids)] == context_ids for whole in wholes)
-        choice_logprobs.append(continuation_logprobs(model, context_ids, [w[len(context_ids):] for w in wholes]))
+        scores = continuation_logprobs(model, context_ids, [w[len(context_ids):] for w in wholes])
+        choice_logprobs.append([logprob for logprob, _ in scores])
+        choice_greedy.append([greedy for _, greedy in scores])
         answers.append(doc["answer"])
     loglikelihoods, words, size = [], 0, 0
     for doc in read_jsonl("compat_ppl.jsonl"):
-        loglikelihoods += continuation_logprobs(model, [tokenizer.bos_token_id], [encode(doc["text"])])
+        ((loglikelihood, _),) = continuation_logprobs(model, [tokenizer.bos_token_id], [encode(doc["text"])])
+        loglikelihoods.append(loglikelihood)
         words += len(re.split(r"\s+", doc["text"]))
         size += len(doc["text"].encode())
-    return ReferenceScores(choice_logprobs, answers, loglikelihoods, words, size)
+    return ReferenceScores(choice_logprobs, choice_greedy, answers, loglikelihoods, words, size)
 
 
 def read_jsonl(name: str) -> list[dict]:

@@ -137,9 +137,11 @@ def test_lm_eval_loglikelihood_accuracy_and_perplexity(tier, task_manager, token
                           tasks=[MC, PPL], task_manager=task_manager, log_samples=True)
     samples = sorted(out["samples"][MC], key=lambda s: s["doc_id"])
     assert len(samples) == len(reference.answers) == 32
-    for sample, expected in zip(samples, reference.choice_logprobs, strict=True):
-        got = [ll for ll, _greedy in sample["filtered_resps"]]
+    for sample, expected, greedy in zip(samples, reference.choice_logprobs, reference.choice_greedy, strict=True):
+        got = [ll for ll, _ in sample["filtered_resps"]]
         assert got == pytest.approx(expected, abs=0.02), f"question {sample['doc_id']}: {got} vs {expected}"
+        # is_greedy: lm-eval compares each token's logprob with the best of its top_logprobs (echo, logprobs=1)
+        assert [g for _, g in sample["filtered_resps"]] == greedy, f"question {sample['doc_id']}"
     predictions = [float(p == a) for p, a in zip(reference.predictions, reference.answers, strict=True)]
     assert [s["acc"] for s in samples] == predictions
     assert out["results"][MC]["acc,none"] == reference.acc
@@ -246,7 +248,7 @@ def chat_model(tier: Tier, **kwargs):
 
 
 def test_langchain_invoke_and_stream(tier):
-    llm = chat_model(tier)
+    llm = chat_model(tier, stream_usage=True)
     answer = llm.invoke(QUESTION[0]["content"])
     raw = tier.openai().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
     assert answer.content and answer.content == raw.choices[0].message.content
@@ -255,7 +257,10 @@ def test_langchain_invoke_and_stream(tier):
     assert answer.usage_metadata["input_tokens"] == raw.usage.prompt_tokens
     chunks = list(llm.stream(QUESTION[0]["content"]))
     assert len([c for c in chunks if c.content]) >= 2
-    assert "".join(c.content for c in chunks) == answer.content
+    streamed = sum(chunks[1:], chunks[0])
+    assert streamed.content == answer.content
+    assert streamed.usage_metadata["output_tokens"] == raw.usage.completion_tokens  # the stream's usage chunk
+    assert streamed.response_metadata["finish_reason"] == raw.choices[0].finish_reason
 
 
 def test_langchain_bind_tools(tier):
