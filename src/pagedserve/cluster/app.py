@@ -20,6 +20,7 @@ from pagedserve.cluster.cluster_config import ClusterConfig
 from pagedserve.cluster.policies import RoutingRequest
 from pagedserve.cluster.proxy import Forward, forward, until_disconnect
 from pagedserve.cluster.router import Router
+from pagedserve.cluster.ui.console import mount_console
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.peer_auth import HEADER as PEER_HEADER
 from pagedserve.server.peer_auth import PeerKey
@@ -107,6 +108,8 @@ def create_app(config: ClusterConfig, peer_key: PeerKey | None = None) -> FastAP
                     httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0),
                                       timeout=config.request_timeout_s) as fresh):
             router = Router(config, client, peer_key, fresh)
+            if console is not None:
+                console.attach(router, client)
             await router.health.probe_all()
             probes = asyncio.create_task(router.health.run())
             app.state.router, app.state.client = router, client
@@ -118,6 +121,7 @@ def create_app(config: ClusterConfig, peer_key: PeerKey | None = None) -> FastAP
 
     app = FastAPI(title="pagedserve router", lifespan=lifespan)
     install_error_handlers(app)
+    console = mount_console(app, config)  # the web console at /ui, when the router has an admin key
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -3,6 +3,7 @@ its knobs. Comes from a YAML file (`--config cluster.yaml`), `--replica` flags, 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -74,6 +75,13 @@ class ClusterConfig:
     session_header: str = "x-session-id"
     residency_header: str = "x-residency"
     client_region_header: str = "x-client-region"
+    # The web console at /ui (cluster/ui/) opens only with an admin key: given here, or named by admin_key_env.
+    admin_key: str | None = None
+    admin_key_env: str | None = None
+    docs_dir: str | None = None  # where `pagedserve bench` writes its PNGs: the console shows the latest
+
+    def console_key(self) -> str | None:
+        return self.admin_key or (os.environ.get(self.admin_key_env) if self.admin_key_env else None)
 
     @classmethod
     def from_yaml(cls, path: Path) -> ClusterConfig:
@@ -87,6 +95,8 @@ class ClusterConfig:
                                 region=r.get("region", "local"), tags=_tags(r.get("tags", ())),
                                 kv_role=r.get("kv_role", "both"))
                     for r in data.pop("replicas", [])]
+        if data.get("docs_dir"):  # relative to the file, as the gateway's data_dir
+            data["docs_dir"] = str(Path(path).parent / data["docs_dir"])
         return cls(replicas=replicas, **data)
 
     def finalize(self) -> ClusterConfig:
@@ -144,6 +154,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="a LoRA adapter the router loads on a replica (POST /v1/load_lora_adapter) when no "
                              "healthy replica holds it, or when all holders are busy (repeatable; replicas need "
                              "--enable-lora and the same path)")
+    parser.add_argument("--admin-key-env", default=None, metavar="NAME",
+                        help="environment variable holding the admin key that opens the web console at /ui "
+                             "(without one the console is off)")
+    parser.add_argument("--docs-dir", default=None, help="folder of `pagedserve bench` PNGs the console shows")
 
 
 def config_from_args(args: argparse.Namespace, replicas: list[ReplicaSpec] | None = None) -> ClusterConfig:
@@ -153,7 +167,7 @@ def config_from_args(args: argparse.Namespace, replicas: list[ReplicaSpec] | Non
     config.replicas += [ReplicaSpec.parse(r) for r in getattr(args, "replica", None) or []]
     config.replicas += replicas or []
     for name in ("policy", "region", "cache_threshold", "balance_abs", "balance_rel", "health_interval_s",
-                 "max_attempts"):
+                 "max_attempts", "admin_key_env", "docs_dir"):
         value = getattr(args, name, None)
         if value is not None:
             setattr(config, name, value)

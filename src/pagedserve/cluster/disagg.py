@@ -70,6 +70,7 @@ async def prefill_first(router: Router, fwd):
             if handle is not None:
                 router.metrics.prefills.labels(replica.name, "handed_off").inc()
                 router.metrics.prefill_seconds.observe(time.perf_counter() - start)
+                _tell(router, fwd, replica.name, "handed_off", start, handle)
                 payload["kv_transfer_params"] = {**handle, "do_remote_prefill": True, "remote_url": replica.url}
                 decode_body, signed = router.peer_key.signed_json("POST", target, payload)
                 return dataclasses.replace(fwd, body=decode_body, path=target, headers=[
@@ -78,12 +79,19 @@ async def prefill_first(router: Router, fwd):
             result = f"status_{response.status_code}"
             if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
                 router.metrics.prefills.labels(replica.name, result).inc()
+                _tell(router, fwd, replica.name, result, start)
                 return fwd  # the request's own fault: the decode replica gives the client the same answer
         finally:
             replica.finish_request(fwd.req.est_tokens)
         router.metrics.prefills.labels(replica.name, result).inc()
+        _tell(router, fwd, replica.name, result, start)
         log.warning("prefill on %s failed (%s); trying another", replica.name, result)
     return fwd
+
+
+def _tell(router: Router, fwd, replica: str, result: str, start: float, handle: dict | None = None) -> None:
+    for listener in router.listeners:
+        listener.prefilled(fwd.req, replica, result, time.perf_counter() - start, handle)
 
 
 def _handle(response: httpx.Response) -> dict | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.cluster.prefix_index import PrefixIndex
 from pagedserve.cluster.replica import Replica
@@ -20,6 +20,7 @@ class RoutingRequest:
     session: str | None = None  # session / user id for session affinity
     est_tokens: int = 1  # prompt + max output tokens, a load estimate
     prompt_tokens: int = 0  # the prompt's part of it
+    seq: int = field(default_factory=itertools.count(1).__next__)  # names the request in the console's journal
 
 
 @dataclass(slots=True)

@@ -50,6 +50,8 @@ class Router:
         self.regions = RegionMap(config.rtt_ms, config.default_rtt_ms, config.region_slack_ms,
                                  config.spill_inflight)
         self.metrics = RouterMetrics()
+        # Told of every choice of a replica and every prefill hand-off (the console's journal, cluster/ui/).
+        self.listeners: list = []
         self._loading: dict[tuple[str, str], asyncio.Task] = {}
         index_size = self.policy.index.size if isinstance(self.policy, PrefixAffinity) else (lambda _: 0)
         for replica in self.replicas:
@@ -84,11 +86,14 @@ class Router:
         else:
             serving = [r for r in candidates if not r.models or model in r.models]
             candidates = serving or candidates  # an unknown model goes through, for the replica's own 404
-        decision = self.policy.choose(req, self.regions.nearest(client_region or self.config.region, candidates))
+        nearest = self.regions.nearest(client_region or self.config.region, candidates)
+        decision = self.policy.choose(req, nearest)
         if spill or decision.replica.name in loading:  # load it there first (or wait for the load under way)
             decision.load_adapter = model
             decision.reason = "lora_load" if spill else decision.reason
         self._record(req, decision)
+        for listener in self.listeners:
+            listener.decided(req, decision, nearest, prefill, self.disaggregated, exclude)
         return decision
 
     async def load_adapter(self, replica: Replica, name: str) -> str | None:

@@ -44,6 +44,7 @@ from pagedserve.gateway.speculation import Speculation
 from pagedserve.gateway.store import Store, open_store
 from pagedserve.gateway.streaming import StreamAssembler, assemble
 from pagedserve.gateway.tracing import Trace, TraceSink
+from pagedserve.gateway.ui.console import mount_console
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +264,7 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, **kwargs) 
     add_api_routes(app, gw)
     add_admin_routes(app, config, gw.store, gw.budgets, gw.traces, gw.status)
     add_index_routes(app, config, gw.library)
+    mount_console(app, gw)  # the web console at /ui (gateway/ui/), when the gateway has an admin key
     install_openapi(app, {("/v1/chat/completions", "post"): ChatRequest, ("/v1/completions", "post"): CompletionRequest,
                           ("/v1/responses", "post"): ResponsesRequest,
                           ("/admin/keys", "post"): KeyCreate, ("/admin/sources/{name}/bump", "post"): SourceBump,

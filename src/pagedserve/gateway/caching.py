@@ -64,7 +64,7 @@ class CacheStage:
                                         req.max_completion_tokens or req.max_tokens, normalise(call.query),
                                         chunks_gone)
         trace.cache, trace.cache_similarity = call.lookup.result, call.lookup.similarity
-        trace.stale_reason = call.lookup.stale_reason
+        trace.stale_reason, trace.guard_rejected = call.lookup.stale_reason, call.lookup.guard_rejected
         return call.lookup.result == "hit"
 
     @staticmethod

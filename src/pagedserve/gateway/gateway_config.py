@@ -210,6 +210,7 @@ class GatewayConfig:
     otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
     trace_retention_days: float = 30.0  # older trace rows are deleted at start-up
     embed_threads: int = 1  # torch threads for query embeddings (one short query at a time)
+    docs_dir: Path | None = None  # where `pagedserve bench` writes its PNGs: the console (/ui) shows the latest
 
     @property
     def tz(self) -> ZoneInfo:
@@ -235,10 +236,12 @@ class GatewayConfig:
         listen = data.pop("listen", None) or {}
         admin_env = data.pop("admin_key_env", None)
         admin_key = data.pop("admin_key", None) or (os.environ.get(admin_env) if admin_env else None)
+        docs_dir = data.pop("docs_dir", None)
         config = cls(
             providers=providers, routes=routes, admin_key=admin_key,
             host=listen.get("host", "127.0.0.1"), port=int(listen.get("port", 4000)),
             data_dir=base_dir / data.pop("data_dir", "gateway-data"),
+            docs_dir=base_dir / docs_dir if docs_dir else None,
             budgets=BudgetConfig(**(data.pop("budgets", None) or {})),
             key_defaults=KeyDefaults(**(data.pop("key_defaults", None) or {})),
             cache=CacheConfig(**(data.pop("cache", None) or {})),

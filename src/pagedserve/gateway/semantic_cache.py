@@ -14,6 +14,7 @@ import sqlite3
 import threading
 import time
 import unicodedata
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,17 @@ class Lookup:
     entry: CacheEntry | None = None
     similarity: float | None = None
     stale_reason: str | None = None
+    guard_rejected: float | None = None  # a miss only because the near-miss guard refused an entry this similar
+
+
+@dataclass(slots=True)
+class Rejection:
+    """A question the near-miss guard kept from a cached answer it was close enough to (the console lists them)."""
+    at: float
+    scope: str
+    query: str
+    cached_query: str
+    similarity: float
 
 
 @dataclass(slots=True)
@@ -98,6 +110,8 @@ class SemanticCache:
     def __init__(self, path: Path, dim: int, clock: Callable[[], float] = time.time, hnsw_m: int = 32,
                  ef_search: int = 128, candidates: int = 4):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.rejections: deque[Rejection] = deque(maxlen=50)  # the guard's latest, in memory only
         self.dim, self.clock, self.hnsw_m, self.ef_search, self.k = dim, clock, hnsw_m, ef_search, candidates
         self.lock = threading.Lock()
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
@@ -141,27 +155,41 @@ class SemanticCache:
                query: str | None = None) -> tuple[CacheEntry | None, float]:
         """The nearest live entry of the scope that fits the request (and, given the query, passes the
         near-miss guard: same polarity, numbers and named entities), and its cosine similarity."""
+        entry, similarity, _ = self._nearest(scope, vector, max_tokens, query)
+        return entry, similarity
+
+    def _nearest(self, scope: str, vector: np.ndarray, max_tokens: int | None,
+                 query: str | None) -> tuple[CacheEntry | None, float, tuple[float, CacheEntry] | None]:
+        """search()'s answer, and the closest entry the guard refused on the way (if any)."""
         with self.lock:
             s = self.scopes.get(scope)
             if s is None or len(s.dead) == len(s.entry_ids):
-                return None, 0.0
+                return None, 0.0, None
             sims, found = s.index.search(vector.reshape(1, -1).astype(np.float32), self.k)
             hits = [(float(sim), s.entry_ids[pos]) for sim, pos in zip(sims[0], found[0])
                     if pos >= 0 and pos not in s.dead]
+        refused = None
         for sim, entry_id in sorted(hits, reverse=True):
             entry = self.get(entry_id)
+            if entry is None or not entry.fits(max_tokens):
+                continue
             # Embeddings barely see a digit, a negation or a country: the guard compares those exactly.
-            if entry is not None and entry.fits(max_tokens) and (query is None or compatible(query, entry.query)):
-                return entry, sim
-        return None, 0.0
+            if query is None or compatible(query, entry.query):
+                return entry, sim, refused
+            refused = refused or (sim, entry)
+        return None, 0.0, refused
 
     def lookup(self, scope: str, vector: np.ndarray, threshold: float, current: dict[str, str],
                max_tokens: int | None, query: str | None = None,
                chunks_gone: Callable[[CacheEntry], str | None] | None = None) -> Lookup:
         """chunks_gone(entry): why the entry's chunks are no longer all in the index, or None."""
-        entry, similarity = self.search(scope, vector, max_tokens, query)
+        entry, similarity, refused = self._nearest(scope, vector, max_tokens, query)
         if entry is None or similarity < threshold:
-            return Lookup("miss", None, round(similarity, 4) if entry else None)
+            guarded = None
+            if refused is not None and refused[0] >= threshold:  # it would have been a hit but for the guard
+                guarded = round(refused[0], 4)
+                self.rejections.append(Rejection(self.clock(), scope, query, refused[1].query, guarded))
+            return Lookup("miss", None, round(similarity, 4) if entry else None, guard_rejected=guarded)
         reason = stale_reason(entry, current, self.clock())
         if reason is None and chunks_gone is not None:
             reason = chunks_gone(entry)

@@ -36,6 +36,7 @@ class Trace:
     coalesced_with: str | None = None  # the trace id of the identical request this one waited for
     cache_similarity: float | None = None
     stale_reason: str | None = None
+    guard_rejected: float | None = None  # a miss only because the near-miss guard refused an entry this similar
     sources: dict[str, str] = field(default_factory=dict)  # versions the answer depends on
     retrieval: list[dict] | None = None  # chunks put into the request: document, heading, hash, scores
     retrieval_ms: float | None = None  # the index search (the query embedding is shared with the cache)
@@ -70,6 +71,7 @@ class TraceSink:
     def __init__(self, path: Path, otlp_endpoint: str | None = None, span_exporter=None,
                  retention_days: float | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.lock = threading.Lock()
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA busy_timeout=5000")
