@@ -54,6 +54,9 @@ def stack(tmp_path_factory):
     prefill, prefill_url = pagedserve_server("prefill", tmp, ["--kv-role", "prefill"])
     decode, decode_url = pagedserve_server("decode", tmp, ["--kv-role", "decode"])
     with contextlib.ExitStack() as stack:
+        driver, browser = playwright_browser()  # first: without chromium, skip before starting anything
+        stack.callback(driver.stop)
+        stack.callback(browser.close)
         start_all(stack, prefill, decode)
         router = stack.enter_context(RouterProcess(
             tmp, admin_key=ADMIN, docs_dir=str(docs), disagg_min_prompt_tokens=0, health_interval_s=0.5,
@@ -62,9 +65,6 @@ def stack(tmp_path_factory):
                       {"url": decode_url, "name": "decode-0", "kv_role": "decode", "region": "eu-west"}]))
         router.wait_healthy(["prefill-0", "decode-0"], timeout=60)
         model = httpx.get(decode_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        driver, browser = playwright_browser()
-        stack.callback(driver.stop)
-        stack.callback(browser.close)
         yield {"url": router.url, "browser": browser, "prefill": prefill, "model": model,
                "shots": screenshot_dir(tmp_path_factory, "console-cluster")}
 

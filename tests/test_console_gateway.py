@@ -64,6 +64,9 @@ def stack(tmp_path_factory):
     docs.mkdir()
     shutil.copy(DOCS / "serve_benchmark.png", docs / "serve_benchmark.png")
     with contextlib.ExitStack() as stack:
+        driver, browser = playwright_browser()  # first: without chromium, skip before starting anything
+        stack.callback(driver.stop)
+        stack.callback(browser.close)
         stub, stub_url = stub_provider("stub", tmp)
         start_all(stack, stub)
         config = {
@@ -81,9 +84,6 @@ def stack(tmp_path_factory):
                            timeout=120, json={"documents": [{"name": "leave.md", "content": LEAVE},
                                                             {"name": XSS + ".md", "content": TRAVEL}]})
         assert added.status_code == 200, added.text
-        driver, browser = playwright_browser()
-        stack.callback(driver.stop)
-        stack.callback(browser.close)
         yield {"url": url, "stub": stub_url, "browser": browser,
                "shots": screenshot_dir(tmp_path_factory, "console-gateway")}
 
