@@ -205,6 +205,7 @@ class ToolCallStream:
         self.plan = plan
         self.pending = ""
         self.call: _OpenCall | None = None  # the call being read (Hermes)
+        self.space = ""  # trailing whitespace of the content sent so far, held back (Hermes)
         self.calls: list[ToolCall] = []
         self.prose: bool | None = None  # Llama 3 JSON: decided on the output's first visible characters
 
@@ -227,10 +228,10 @@ class ToolCallStream:
                 at = self.pending.find(parser.open)
                 if at < 0:
                     keep = _partial_suffix(self.pending, parser.open)
-                    content.append(self.pending[:len(self.pending) - keep])
+                    content.append(self._text(self.pending[:len(self.pending) - keep], call_follows=False))
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
-                content.append(self.pending[:at])
+                content.append(self._text(self.pending[:at], call_follows=True))
                 self.pending, self.call = self.pending[at + len(parser.open):], _OpenCall()
             call = self.call
             call.body, self.pending = call.body + self.pending, ""
@@ -288,6 +289,16 @@ class ToolCallStream:
     def _may_call(self) -> bool:
         return self.plan.parallel or not self.calls
 
+    def _text(self, piece: str, call_follows: bool) -> str:
+        """Content to send: trailing whitespace is held until text follows it, and dropped when a call does
+        (as in the unstreamed answer, whose content is stripped)."""
+        piece, self.space = self.space + piece, ""
+        if call_follows:
+            return piece.rstrip()
+        body = piece.rstrip()
+        self.space = piece[len(body):]
+        return body
+
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         """Whatever is held back when the output ends: Llama 3 calls are parsed now; a Hermes call cut off
         after its head stays a call (its arguments as written so far), one cut off before stays text."""
@@ -297,7 +308,8 @@ class ToolCallStream:
             return content or "", [d for c in calls for d in self._whole(c)]
         call, self.call = self.call, None
         if call is None:
-            return rest, []
+            space, self.space = self.space, ""
+            return ("" if self.calls and not rest.strip() else space + rest), []
         deltas = [] if call.header is not None else self._cut_head(call)
         if call.header is not None:
             self._close(call, call.body[call.args_start:call.args_end or len(call.body)])
