@@ -16,7 +16,7 @@ import mimetypes
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 from pathlib import Path
@@ -174,6 +174,10 @@ def number(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
 
+def ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f} ms"
+
+
 def percent(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}%"
 
@@ -182,17 +186,16 @@ class Console:
     """One console: its pages are handlers added with `page` (GET) and `action` (POST), each refused without a
     session; `mount` adds the login and logout forms, the static files and the benchmark images."""
 
-    def __init__(self, title: str, admin_key: str, nav: list[tuple[str, str]], template_dirs: list[Path] = (),
-                 static_dirs: list[Path] = (), docs_dir: Path | None = None, tz: tzinfo | None = None):
+    def __init__(self, title: str, admin_key: str, nav: list[tuple[str, str]], template_dirs: Sequence[Path] = (),
+                 static_dirs: Sequence[Path] = (), docs_dir: Path | None = None, tz: tzinfo | None = None):
         self.title, self.nav = title, nav
         self.sessions = Sessions(admin_key)
         self.throttle = LoginThrottle()
         self.env = Environment(loader=FileSystemLoader([*template_dirs, TEMPLATES]), autoescape=True,
                                undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-        self.env.filters.update(usd=usd, when=lambda ts: when(ts, tz), number=number, percent=percent)
+        self.env.filters.update(usd=usd, when=lambda ts: when(ts, tz), number=number, percent=percent, ms=ms)
         self.static = StaticFiles([*static_dirs, STATIC])
         self.benchmarks = BenchmarkImages(docs_dir)
-        self.paths: list[tuple[str, str]] = []  # (method, path) of every route behind a session
 
     def render(self, request: Request, template: str, status: int = 200, **context) -> HTMLResponse:
         session = getattr(request.state, "console_session", None)
@@ -218,8 +221,6 @@ class Console:
         self._add(app, "POST", path, handler)
 
     def _add(self, app: FastAPI, method: str, path: str, handler: Handler) -> None:
-        self.paths.append((method, path))
-
         async def guarded(request: Request) -> Response:
             session = self.sessions.get(request.cookies.get(COOKIE))
             if session is None:

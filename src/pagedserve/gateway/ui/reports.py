@@ -75,6 +75,7 @@ class ProviderStats:
     failures: int = 0
     short_circuited: int = 0  # not called: its breaker was open
     latencies: list[float] = field(default_factory=list)  # of the attempts that answered 200
+    samples: list[tuple[float, float | None]] = field(default_factory=list)  # (start, latency; None: it failed)
     last_error: str | None = None
     last_error_at: float | None = None
 
@@ -83,11 +84,15 @@ class ProviderStats:
         return self.failures / self.attempts if self.attempts else None
 
     def percentile(self, q: float) -> float | None:
-        if not self.latencies:
-            return None
-        if len(self.latencies) == 1:
-            return self.latencies[0]
-        return statistics.quantiles(self.latencies, n=100, method="inclusive")[round(q * 100) - 1]
+        return percentile(self.latencies, q)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def failed(status: str) -> bool:
@@ -186,8 +191,10 @@ class Reports:
                 s.attempts += 1
                 if status == "200":
                     s.latencies.append(a["latency_ms"])
+                    s.samples.append((a["started_at"], a["latency_ms"]))
                 elif failed(status):
                     s.failures += 1
+                    s.samples.append((a["started_at"], None))
                     if s.last_error_at is None or a["started_at"] > s.last_error_at:
                         s.last_error, s.last_error_at = f"{status}: {a.get('error') or ''}".strip(": "), a["started_at"]
         return stats
