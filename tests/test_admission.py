@@ -2,6 +2,7 @@
 controller; the scheduler runs over a real KV manager."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -118,17 +119,19 @@ def test_retry_after_comes_from_the_drain_rate():
     assert 1 <= refused.retry_after <= max(1, -(-(queued + 500) // 1000))
 
 
+def feed_ttfts(ctl: AdmissionController, clock: Clock, ttft: float) -> None:
+    """One AIMD window of requests admitted and started one at a time, each after `ttft` seconds."""
+    for _ in range(ctl.AIMD_WINDOW):
+        t = ctl.admit(CRITICAL, 10)
+        clock.now += ttft
+        ctl.started(t)
+
+
 def test_aimd_gain_falls_on_missed_ttft_and_recovers():
     ctl, clock = controller(ttft_slo=1.0)
-    for _ in range(ctl.AIMD_WINDOW):
-        t = ctl.admit(CRITICAL, 10)
-        clock.now += 2.0  # TTFT 2 s > 1 s
-        ctl.started(t)
+    feed_ttfts(ctl, clock, 2.0)  # TTFT 2 s > 1 s
     assert ctl.gain == pytest.approx(0.7)
-    for _ in range(ctl.AIMD_WINDOW):
-        t = ctl.admit(CRITICAL, 10)
-        clock.now += 0.1
-        ctl.started(t)
+    feed_ttfts(ctl, clock, 0.1)
     assert ctl.gain == pytest.approx(0.8)
 
 
@@ -269,3 +272,140 @@ def test_kv_pressure_takes_the_least_important_then_cheapest_and_spares_the_prot
     out = run_step(sched)
     assert [(r.request_id, why) for r, why in out.preempted] == [("b", "kv_pressure")]
     assert a in sched.running and c in sched.running
+
+
+# ---- serving what it can serve (issue #38): refusals only where a real queue would break the target ----
+
+def engine_view(waiting: list[int]):
+    """backlogged() / waiting() of a fake engine whose waiting count the test sets in waiting[0]."""
+    return (lambda: waiting[0] > 0), (lambda: waiting[0])
+
+
+def test_no_backlog_means_no_adaptive_refusal_however_slow_the_prefill():
+    # Every admitted request is in the engine's batch (nothing waits for a seat): tickets that have not
+    # produced a first token are being prefilled, not queued. Long TTFTs and a measured rate that would
+    # bound the queue below them refuse nothing; only the hard bound (the KV pool's worth) does.
+    clock, waiting = Clock(), [0]
+    backlogged, count = engine_view(waiting)
+    ctl = AdmissionController(AdmissionConfig(max_queued_tokens=10_000, ttft_slo=1.0), clock, backlogged, count)
+    ctl.rate, ctl.gain = 100.0, ctl.MIN_GAIN  # a bound of 25 tokens, were there a queue
+    tickets = [ctl.admit(STANDARD, 640) for _ in range(12)]  # 7,680 tokens, under 0.8 x 10,000
+    clock.now += 5.0  # five targets without a first token
+    tickets.append(ctl.admit(STANDARD, 10))
+    assert rejection(ctl, STANDARD, 640).message.endswith("against a bound of 8000")  # the hard bound only
+    for t in tickets:
+        ctl.started(t)  # TTFTs of 5 s, over the target, but no queue: the gain is left alone
+    assert ctl.gain == ctl.MIN_GAIN and ctl.rejected == {("standard", "overloaded"): 1}
+
+
+def test_the_age_rule_looks_at_requests_the_engine_has_not_started():
+    clock, waiting = Clock(), [0]
+    backlogged, count = engine_view(waiting)
+    ctl = AdmissionController(AdmissionConfig(max_queued_tokens=100_000, ttft_slo=1.0), clock, backlogged, count)
+    in_prefill = [ctl.admit(STANDARD, 100) for _ in range(3)]
+    clock.now += 3.0  # three targets in their prefill: not a queue
+    young = ctl.admit(STANDARD, 100)
+    waiting[0] = 1  # the engine has no seat for it yet
+    assert ctl.unstarted() == [young]
+    ctl.admit(STANDARD, 100)  # the one waiting has waited 0 s: admitted
+    waiting[0] = 2
+    clock.now += 0.9  # now it has waited 0.9 s of a 1 s target (standard's share: 0.8 s)
+    assert rejection(ctl, STANDARD, 100).message.startswith("server overloaded: the oldest request")
+    ctl.admit(CRITICAL, 100)  # critical work has nothing of its class ahead
+    assert len(in_prefill) == 3
+
+
+def test_the_rate_bound_refuses_only_past_its_margin():
+    ctl, clock = controller(ttft_slo=1.0, max_queued_tokens=100_000, margin=1.5)
+    saturate(ctl, clock, cost=100, per_interval=5, intervals=6)  # 1000 tokens/s while backlogged
+    ctl.gain = 1.0
+    assert ctl.limit_tokens == pytest.approx(1000, rel=0.05)
+    queued = sum(ctl.queued_tokens.values())
+    admitted = 0
+    with pytest.raises(Rejected):
+        while True:
+            ctl.admit(CRITICAL, 50)
+            admitted += 1
+    # critical's share is 1: refused once the queue would pass 1.5 x (1000 tokens/s x 1 s)
+    assert queued + 50 * admitted <= 1.5 * ctl.limit_tokens < queued + 50 * (admitted + 1)
+
+
+def test_ttfts_behind_a_backlog_still_cut_the_gain():
+    clock, waiting = Clock(), [1]
+    backlogged, count = engine_view(waiting)
+    ctl = AdmissionController(AdmissionConfig(ttft_slo=1.0), clock, backlogged, count)
+    feed_ttfts(ctl, clock, 2.0)
+    assert ctl.gain == pytest.approx(0.7)
+    waiting[0] = 0
+    feed_ttfts(ctl, clock, 2.0)  # the same TTFTs with no queue in the engine: the prefill's own time
+    assert ctl.gain == pytest.approx(0.7)
+
+
+def test_retry_after_is_jittered_and_grows_with_the_overload():
+    import random
+
+    def refusals(extra: int) -> list[int]:
+        clock = Clock()
+        ctl = AdmissionController(AdmissionConfig(max_queued_tokens=100_000, ttft_slo=1.0), clock,
+                                  rng=random.Random(7))
+        saturate(ctl, clock, cost=100, per_interval=5, intervals=6)  # 1000 tokens/s
+        ctl.gain = 1.0
+        for _ in range(14):
+            ctl.admit(CRITICAL, 100)  # 1,500 queued: the 1.5 x bound is full
+        out = []
+        for _ in range(extra):  # refused demand piles up within the window: the overload grows
+            with pytest.raises(Rejected) as info:
+                ctl.admit(STANDARD, 1000)
+            out.append(info.value.retry_after)
+        return out
+
+    light, heavy = refusals(3), refusals(40)
+    assert all(1 <= r <= 60 for r in light + heavy)
+    assert len(set(heavy)) >= 4  # spread out, not one value for every client
+    assert statistics.median(heavy[-10:]) > 2 * statistics.median(light)  # 40 refusals of 1,000 tokens in 5 s: 8x
+
+
+def test_a_closed_loop_the_engine_can_carry_is_never_refused():
+    """16 users, 512-token prompts, 128-token answers, over a simulated engine with 64 seats whose prefill
+    alone takes longer than the TTFT target: every request is served, none refused (issue #38)."""
+    clock, waiting = Clock(), [0]
+    backlogged, count = engine_view(waiting)
+    ctl = AdmissionController(AdmissionConfig(max_queued_tokens=93_200, ttft_slo=2.0), clock, backlogged, count)
+    step, ttft, decode = 0.3, 2.6, 6.0  # seconds: the first token comes later than the target, whatever the queue
+    events = [(0.01 * u, u, "arrive", None) for u in range(16)]  # (time, user, what, ticket)
+    served = 0
+    while events and clock.now < 300:
+        events.sort(key=lambda e: e[0])
+        clock.now, user, what, ticket = events.pop(0)
+        if what == "arrive":
+            ticket = ctl.admit(STANDARD, 512 + 128)  # a refusal raises and fails the test
+            waiting[0] += 1  # waits for the engine's next step
+            events.append((clock.now + step, user, "scheduled", ticket))
+        elif what == "scheduled":
+            waiting[0] -= 1
+            events.append((clock.now + ttft - step, user, "first", ticket))
+        elif what == "first":
+            ctl.started(ticket)
+            events.append((clock.now + decode, user, "done", ticket))
+        else:
+            ctl.finished(ticket)
+            served += 1
+            events.append((clock.now, user, "arrive", None))
+    assert served > 500 and ctl.rejected == {}
+
+
+def test_standard_work_is_shed_only_while_the_door_refuses_and_only_if_not_started():
+    clock, waiting = Clock(), [0]
+    backlogged, count = engine_view(waiting)
+    ctl = AdmissionController(AdmissionConfig(max_queued_tokens=1000, ttft_slo=1.0), clock, backlogged, count)
+    shed, in_prefill, queued = ctl.admit(SHEDDABLE, 10), ctl.admit(STANDARD, 100), ctl.admit(STANDARD, 100)
+    waiting[0] = 2  # the engine started the older standard one; the sheddable one (scheduled last) and the younger wait
+    clock.now += 2.0  # past both classes' limits
+    assert ctl.should_shed(shed)  # sheddable: its class's contract, always
+    assert not ctl.should_shed(queued)  # nothing refused at the door: everything arriving is admitted
+    assert rejection(ctl, STANDARD, 750).message.endswith("against a bound of 800")  # the door refuses now
+    assert ctl.should_shed(queued) and not ctl.should_shed(in_prefill)  # overloaded: stale queued work goes
+    clock.now += ctl.RETRY_WINDOW_S + 0.1
+    assert not ctl.should_shed(queued)  # the refusals are old news
+    ctl.started(queued)
+    assert not ctl.should_shed(queued)

@@ -166,6 +166,33 @@ def test_sheddable_work_that_cannot_start_in_time_is_shed_with_retry_after():
         srv.stop()
 
 
+def test_a_closed_loop_of_16_users_is_served_not_refused():
+    """Issue #38: 16 users, each sending its next 512-token prompt (128-token answer, streamed) as soon as its
+    last answer ends, against the server's defaults: well within its seats and KV pool, so every request is
+    queued and served and none is refused, however long the first tokens take on this machine."""
+    import gguf
+
+    from pagedserve.bench.serve import closed_workload, run_closed
+    from pagedserve.bench.servers import ServerProcess as BenchServer
+    from pagedserve.model.loader import default_model_path, gguf_metadata
+    from pagedserve.model.tokenizer import Tokenizer
+
+    srv = ServerProcess(["--embedding-model", "none"])
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(gguf_metadata(gguf.GGUFReader(str(default_model_path()))))
+        server = BenchServer("pagedserve", [], url=srv.url)
+        server.model = "SmolLM2-135M-Instruct"
+        requests = closed_workload(tokenizer, 64, 512, 128)
+        # All 16 start together; for 15 s each user sends its next request when its answer ends (a refused
+        # one at once, as guidellm does), so arrivals spread out as answers come: the loop's steady state.
+        results, _ = asyncio.run(run_closed(server, requests, 16, 15.0, 600, refused="at-once"))
+        refused = [r for r in results if not r.ok]
+        assert not refused, (len(refused), [(r.status, r.error[:200]) for r in refused[:5]])
+        assert len(results) >= 16 and all(r.output_tokens == 128 for r in results)
+    finally:
+        srv.stop()
+
+
 def test_sigterm_drains_admitted_requests_and_refuses_new_ones():
     srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "64MiB", "--embedding-model", "none",
                          "--shutdown-timeout", "120"])

@@ -1,22 +1,34 @@
 """Token-aware admission control: who gets into the engine's queue, who is told to come back, and when.
 
 A request's cost is its KV need in tokens, prompt + max_tokens for each of its n samples. The queue
-(admitted, no first token yet) is bounded in tokens and in requests. The token bound adapts: the
-rate at which the queue drains (cost tokens started per second while it is non-empty) times the TTFT
-target gives the queue that can be served in time (measured only while the engine is backlogged, so
-that light load, which starts requests as they come, does not pass for low capacity); an AIMD gain on
-top corrects it from the TTFTs actually measured. Each priority class sees only the queue ahead of it (the engine schedules by
-priority) and may fill only its share of the bound, so sheddable work is refused first, then
-standard, and critical last. The age of the oldest request ahead is bounded the same way (share x
-TTFT target, CoDel's sojourn-time idea): it reacts at once where the rate estimate lags. Admitted
-requests of a class with a queue-wait limit that are still not started by then are shed (a queued
-answer that can only come late is work taken from one that can come in time). Refusals are 429s
-with a Retry-After from the drain rate; while draining or unhealthy, 503s.
+(admitted, no first token yet) is bounded in tokens and in requests. Those hard bounds (the KV pool, a
+request count) always apply. Everything else refuses only where there is a real queue: the engine holds
+requests it cannot start yet (at its seat, KV or token-budget limit). A ticket the engine is already
+prefilling is being served, not queued: refusing newcomers cannot make its first token come sooner, it
+only sends clients away from a server that would have served them (a closed loop of 16 users, issue
+#38, got thousands of 429s from a server with seats and KV to spare).
+
+While the engine is backlogged, the token bound adapts: the rate at which the queue drains (cost tokens
+started per second while backlogged) times the TTFT target gives the queue that can be served in time,
+and refusals start only past `margin` times that (the estimate is rough; a queue a little past it is
+still better served than refused); an AIMD gain on top corrects it from the TTFTs of requests that
+waited behind a backlog (a TTFT that is long from its own prefill alone says nothing about the queue).
+Each priority class sees only the queue ahead of it (the engine schedules by priority) and may fill
+only its share of the bound, so sheddable work is refused first, then standard, and critical last.
+The age of the oldest request the engine has not started is bounded the same way (share x TTFT
+target, CoDel's sojourn-time idea): it reacts at once where the rate estimate lags. Admitted requests
+of a class with a queue-wait limit that are still not started by then are shed (a queued answer that
+can only come late is work taken from one that can come in time): sheddable ones always, others only
+while the door is refusing work (the server is overloaded) and the engine has not started them. Refusals are 429s with a
+Retry-After: the time the queue ahead needs to drain, grown by the overload (refused demand over
+capacity, recently) and jittered, so that refused clients come back spread out rather than together;
+while draining or unhealthy, 503s.
 """
 from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,6 +91,8 @@ class AdmissionConfig:
     max_queued_tokens: int = 16384  # hard bound on the queue in cost tokens
     max_queued_requests: int = 256
     ttft_slo: float = 2.0  # seconds; the adaptive bound aims the queue wait at it
+    # The adaptive token bound refuses only past this many times the queue that drains within the target.
+    margin: float = 1.5
     shares: dict[str, float] = field(default_factory=lambda: {"critical": 1.0, "standard": 0.8, "sheddable": 0.5})
     degrade_at: float = 0.5  # queue over this fraction of the bound counts as pressure
     degrade: dict[str, DegradePolicy] = field(
@@ -120,6 +134,7 @@ class Ticket:
     started: bool = False
     done: bool = False
     key: int = 0
+    behind_backlog: bool = False  # the engine was backlogged while this ticket waited (its TTFT says so)
 
 
 class AdmissionController:
@@ -129,14 +144,23 @@ class AdmissionController:
     # here instead of starving the engine: a short queue still keeps every seat busy.
     MIN_GAIN = 0.25
 
+    RETRY_WINDOW_S = 5.0  # refused demand is counted over this long for the overload factor
+    MAX_RETRY_AFTER_S = 60
+
     def __init__(self, config: AdmissionConfig, clock=time.monotonic,
-                 backlogged: Callable[[], bool] | None = None):
+                 backlogged: Callable[[], bool] | None = None, waiting: Callable[[], int] | None = None,
+                 rng: random.Random | None = None):
         """backlogged() says whether the engine holds requests it cannot start yet (at its seat, KV or
-        token-budget limit); only such intervals measure capacity. Default: the admission queue is
-        non-empty, which also counts a lone request in prefill and so underestimates capacity."""
+        token-budget limit); only then is there a queue to bound or to measure capacity on. Default: the
+        admission queue is non-empty, which also counts a request in prefill (a stricter controller).
+        waiting() is how many requests the engine has not started: the youngest that many queued tickets
+        (in the engine's order) are the ones waiting, older ones are in prefill (default: every queued
+        ticket waits). rng jitters Retry-After (seed it for tests)."""
         self.config = config
         self.clock = clock
         self.backlogged = backlogged or (lambda: any(self.queued.values()))
+        self.waiting = waiting
+        self.rng = rng or random.Random()
         self.queued_tokens = dict.fromkeys(CLASSES, 0)
         self.queued: dict[str, dict[int, Ticket]] = {c: {} for c in CLASSES}  # admission order: oldest first
         self._keys = itertools.count()
@@ -148,6 +172,7 @@ class AdmissionController:
         self._interval_started_cost = 0
         self._interval_saturated = False
         self._ttfts: deque[float] = deque(maxlen=self.AIMD_WINDOW)
+        self._refusals: deque[tuple[float, int]] = deque()  # (when, cost) of recent refusals
         self.rejected: dict[tuple[str, str], int] = {}  # (class, code) -> count
         self.admitted = dict.fromkeys(CLASSES, 0)
         self.degraded = dict.fromkeys(CLASSES, 0)
@@ -161,13 +186,27 @@ class AdmissionController:
         return min(self.config.max_queued_tokens, max(1.0, self.gain * self.rate * self.config.ttft_slo))
 
     def ahead(self, cls: str) -> tuple[int, int, float]:
-        """Queued tokens, requests, and the oldest one's wait, that the engine starts before a new
-        request of this class."""
+        """Queued tokens and requests that the engine starts before a new request of this class, and
+        how long the oldest of them that the engine has not started yet has waited (0 if none)."""
         classes = [c for c in CLASSES if CLASSES[c] <= CLASSES[cls]]
-        oldest = min((next(iter(self.queued[c].values())).admitted_at for c in classes if self.queued[c]),
-                     default=self.clock())
+        unstarted = self.unstarted()
+        oldest = min((t.admitted_at for t in unstarted if t.cls in classes), default=self.clock())
         return (sum(self.queued_tokens[c] for c in classes), sum(len(self.queued[c]) for c in classes),
                 self.clock() - oldest)
+
+    def unstarted_tokens(self, cls: str) -> int:
+        """Cost tokens of the tickets ahead of a new request of this class that the engine has not started."""
+        return sum(t.cost for t in self.unstarted() if CLASSES[t.cls] <= CLASSES[cls])
+
+    def unstarted(self) -> list[Ticket]:
+        """The queued tickets the engine has not started: with waiting() given, the last that many in
+        the engine's order (priority, then arrival); the others are in their prefill."""
+        tickets = sorted((t for c in CLASSES for t in self.queued[c].values()),
+                         key=lambda t: (CLASSES[t.cls], t.admitted_at, t.key))
+        if self.waiting is None:
+            return tickets
+        n = self.waiting()
+        return tickets[len(tickets) - n:] if n > 0 else []
 
     def pressure(self) -> float:
         """Queued tokens over the current bound: 0 idle, 1 full."""
@@ -176,10 +215,23 @@ class AdmissionController:
     def under_pressure(self) -> bool:
         return self.config.enabled and self.pressure() >= self.config.degrade_at
 
+    def overload(self) -> float:
+        """Demand refused over the last RETRY_WINDOW_S, as a multiple of the drain rate (0 when unknown):
+        1 means as much again as the server drains was turned away."""
+        now = self.clock()
+        while self._refusals and self._refusals[0][0] < now - self.RETRY_WINDOW_S:
+            self._refusals.popleft()
+        if not self.rate or not self._refusals:
+            return 0.0
+        return sum(cost for _, cost in self._refusals) / self.RETRY_WINDOW_S / self.rate
+
     def retry_after(self, tokens: int) -> int:
-        if not self.rate:
-            return 1
-        return min(60, max(1, math.ceil(tokens / self.rate)))
+        """Whole seconds (Retry-After's unit) to come back in: the time the given tokens take to drain (1 s
+        while the rate is unknown), times (1 + overload), times a uniform jitter in [1, 2), so that clients
+        refused together come back spread over a window that widens as the overload grows; 1-60 s."""
+        drain = tokens / self.rate if self.rate else 1.0
+        seconds = drain * (1.0 + self.overload()) * self.rng.uniform(1.0, 2.0)
+        return min(self.MAX_RETRY_AFTER_S, max(1, math.ceil(seconds)))
 
     # ---- the door ----
 
@@ -189,13 +241,14 @@ class AdmissionController:
         self._tick()
         if self.draining:
             self._reject(cls, 503, "draining", "the server is draining for shutdown; retry on another replica",
-                         self.retry_after(sum(self.queued_tokens.values())))
+                         cost, sum(self.queued_tokens.values()))
         if self.config.enabled:
             self._check_bounds(cls, cost, deadline_s)
         now = self.clock()
         shed_after = self.config.shed_after.get(cls) if self.config.enabled else None
         ticket = Ticket(cls, cost, now, None if shed_after is None else now + shed_after * self.config.ttft_slo,
                         key=next(self._keys))
+        ticket.behind_backlog = self.config.enabled and self.backlogged()
         self.queued_tokens[cls] += cost
         self.queued[cls][ticket.key] = ticket
         self.in_flight += 1
@@ -207,26 +260,34 @@ class AdmissionController:
         if tokens == 0:
             return
         share = self.config.shares[cls]
-        if oldest_wait > share * self.config.ttft_slo:
-            self._reject(cls, 429, "overloaded", f"server overloaded: the oldest request queued ahead of this "
-                         f"{cls} request has waited {oldest_wait:.1f}s", self.retry_after(tokens))
-        if requests + 1 > share * self.config.max_queued_requests:
-            self._reject(cls, 429, "queue_full", f"the {cls} queue holds {requests} requests, its bound",
-                         self.retry_after(tokens))
-        bound = share * self.limit_tokens
-        if tokens + cost > bound:
+        hard = share * self.config.max_queued_tokens
+        if tokens + cost > hard:  # the KV pool's worth (or --max-queued-tokens): always
             self._reject(cls, 429, "overloaded",
                          f"server overloaded: {tokens} tokens queued ahead of this {cls} request "
-                         f"(cost {cost}) against a bound of {int(bound)}",
-                         self.retry_after(tokens + cost - bound))
+                         f"(cost {cost}) against a bound of {int(hard)}", cost, tokens + cost - hard)
+        if requests + 1 > share * self.config.max_queued_requests:
+            self._reject(cls, 429, "queue_full", f"the {cls} queue holds {requests} requests, its bound", cost, tokens)
+        backlogged = self.backlogged()
+        if backlogged and oldest_wait > share * self.config.ttft_slo:
+            self._reject(cls, 429, "overloaded", f"server overloaded: the oldest request queued ahead of this "
+                         f"{cls} request has waited {oldest_wait:.1f}s", cost, tokens)
+        bound = share * self.limit_tokens * self.config.margin
+        waiting = self.unstarted_tokens(cls)  # a real queue: requests in their prefill are being served
+        if backlogged and waiting + cost > bound:
+            self._reject(cls, 429, "overloaded",
+                         f"server overloaded: {waiting} tokens queued ahead of this {cls} request "
+                         f"(cost {cost}) against a bound of {int(bound)}", cost, waiting + cost - bound)
         if deadline_s is not None and self.rate and tokens / self.rate >= deadline_s:
             self._reject(cls, 429, "deadline_unmeetable",
                          f"the queue ahead needs about {tokens / self.rate:.1f}s, past this request's "
-                         f"{deadline_s:g}s deadline", self.retry_after(tokens))
+                         f"{deadline_s:g}s deadline", cost, tokens)
 
-    def _reject(self, cls: str, status: int, code: str, message: str, retry_after: int) -> None:
+    def _reject(self, cls: str, status: int, code: str, message: str, cost: int, wait_tokens: float) -> None:
+        """Refuses with a Retry-After for wait_tokens of queue to drain; the refused cost counts as overload."""
         self.rejected[cls, code] = self.rejected.get((cls, code), 0) + 1
-        raise Rejected(status, code, message, retry_after)
+        retry = self.retry_after(int(wait_tokens))
+        self._refusals.append((self.clock(), cost))
+        raise Rejected(status, code, message, retry)
 
     def degrade(self, priority: int) -> DegradePolicy | None:
         """The class's degradation policy when the server is under pressure, else None."""
@@ -244,9 +305,11 @@ class AdmissionController:
         if ticket.started or ticket.done:
             return
         ticket.started = True
+        ticket.behind_backlog = ticket.behind_backlog or self.backlogged()
         self._dequeue(ticket)
         self._interval_started_cost += ticket.cost
-        self._observe_ttft(self.clock() - ticket.admitted_at)
+        if ticket.behind_backlog:
+            self._observe_ttft(self.clock() - ticket.admitted_at)
         self._tick()
 
     def finished(self, ticket: Ticket) -> None:
@@ -259,13 +322,27 @@ class AdmissionController:
         self.in_flight -= 1
         self._tick()
 
+    def should_shed(self, ticket: Ticket) -> bool:
+        """At a ticket's queue-wait limit: shed it? A sheddable ticket, always (its class's contract). Any
+        other only while the server is overloaded, i.e. its door has refused work within RETRY_WINDOW_S,
+        and only if the engine has not started it: then stale queued work makes room for fresh work that
+        can still come in time. Without refusals everything that arrives is being admitted, so dropping a
+        late ticket frees nothing for anyone (its client would only come back, behind the others)."""
+        if ticket.started or ticket.done:
+            return False
+        if ticket.cls == "sheddable":
+            return True
+        self.overload()  # forgets refusals older than the window
+        return bool(self._refusals) and ticket in self.unstarted()
+
     def shed(self, ticket: Ticket) -> Rejected:
         """The error for a ticket whose class's queue-wait limit passed before it started."""
         tokens = self.queued_tokens[ticket.cls]
         self.rejected[ticket.cls, "shed"] = self.rejected.get((ticket.cls, "shed"), 0) + 1
+        retry = self.retry_after(tokens)
+        self._refusals.append((self.clock(), ticket.cost))
         return Rejected(429, "shed", f"shed under load: this {ticket.cls} request waited "
-                        f"{self.clock() - ticket.admitted_at:.1f}s in the queue without starting",
-                        self.retry_after(tokens))
+                        f"{self.clock() - ticket.admitted_at:.1f}s in the queue without starting", retry)
 
     def _dequeue(self, ticket: Ticket) -> None:
         self.queued_tokens[ticket.cls] -= ticket.cost

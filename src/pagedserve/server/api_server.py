@@ -44,7 +44,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         embedder = Embedder.load(None if args.embedding_model == "default" else args.embedding_model)
     name = args.served_model_name or engine.model_name
     admission = AdmissionController(admission_config(args, engine),
-                                    backlogged=lambda: engine.stats.num_waiting > 0)
+                                    backlogged=lambda: engine.stats.num_waiting > 0,
+                                    waiting=lambda: engine.stats.num_waiting)
     try:
         parser = choose_parser(args.tool_call_parser, engine.tokenizer.chat_template)
     except ValueError as exc:

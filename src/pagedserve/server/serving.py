@@ -307,19 +307,22 @@ async def merged(state: ServerState, call: Call) -> AsyncIterator[tuple[int, Req
 
 async def _next(queue: asyncio.Queue, call: Call) -> Any:
     """The next output, or a 429 when the call is shed before starting, or a 504 past its deadline."""
-    ticket, limit = call.ticket, call.deadline
-    shedding = not ticket.started and ticket.shed_at is not None and (limit is None or ticket.shed_at < limit)
-    if shedding:
-        limit = ticket.shed_at
-    if limit is None:
-        return await queue.get()
-    try:
-        return await asyncio.wait_for(queue.get(), max(0.0, limit - time.monotonic()))
-    except TimeoutError:
+    while True:
+        ticket, limit = call.ticket, call.deadline
+        shedding = not ticket.started and ticket.shed_at is not None and (limit is None or ticket.shed_at < limit)
         if shedding:
-            raise _refusal(call.admission.shed(ticket)) from None
-        raise APIError(504, "the request's deadline passed before it finished", "timeout",
-                       "deadline_exceeded") from None
+            limit = ticket.shed_at
+        if limit is None:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), max(0.0, limit - time.monotonic()))
+        except TimeoutError:
+            if not shedding:
+                raise APIError(504, "the request's deadline passed before it finished", "timeout",
+                               "deadline_exceeded") from None
+            if call.admission.should_shed(ticket):
+                raise _refusal(call.admission.shed(ticket)) from None
+            ticket.shed_at = None  # kept: it waits for its first token (or its deadline) like any other
 
 
 async def primed(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
