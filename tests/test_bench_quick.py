@@ -62,3 +62,39 @@ def test_serve_compares_kv_dtypes_in_its_own_section() -> None:
     assert text.startswith(serve.KV_SECTION)
     assert "| 7 |" in text and "| 0 |" in text and text.count("| - |") == 1
     assert "pagedserve (int8 KV) / the other server(s)" in text
+
+
+def test_serve_counts_closed_loop_refusals_and_compares_per_level() -> None:
+    import argparse
+
+    from pagedserve.bench import serve
+    from pagedserve.bench.cli import configure
+
+    args = configure(argparse.ArgumentParser(), "serve").parse_args(
+        ["--rates", "", "--concurrency", "1,16", "--refused", "at-once"])
+    ok = serve.RequestResult(True, ttft=0.5, e2e=2.0, output_tokens=128, itls=[0.01] * 127)
+    refused = serve.RequestResult(False, error="HTTP 429", status=429, retry_after=3.0)
+    gone = serve.RequestResult(False, error="timed out")
+    levels = [serve.summarize_closed("pagedserve", 16, [ok] * 8 + [refused] * 2 + [gone], 10.0),
+              serve.summarize_closed("vllm", 16, [ok] * 4, 10.0)]
+    assert (levels[0].num_ok, levels[0].refused, levels[0].failed, levels[0].retry_after) == (8, 2, 1, [3.0, 3.0])
+    assert levels[0].output_tok_s == 8 * 128 / 10.0
+    text = serve.report_markdown([], args, None, levels)
+    assert "| pagedserve | 16 | 8 | 2 | 1 |" in text and "| 3-3 (median 3) |" in text
+    assert "Output tok/s, pagedserve / vllm: 16 users 2.00x (refused 2 vs 0)." in text
+    assert "Highest offered rate" not in text and text.startswith(serve.CLOSED_SECTION)  # no Poisson rates
+
+
+def test_throughput_skips_a_missing_peer_with_its_reason(tmp_path: Path) -> None:
+    import argparse
+
+    from pagedserve.bench import throughput
+    from pagedserve.bench.cli import configure
+
+    args = configure(argparse.ArgumentParser(), "throughput").parse_args(
+        ["--peers", "vllm,llama.cpp", "--vllm-venv", str(tmp_path / "none"), "--llama-server", str(tmp_path / "no")])
+    notes: list[str] = []
+    model, offline = throughput.start_peers(args, [], notes, True)
+    assert model is None and offline == {}
+    assert notes[0].startswith("vLLM CPU skipped: no vLLM CPU in") and "setup_vllm_cpu.sh" in notes[0]
+    assert notes[1].startswith("llama.cpp skipped: no llama-server at")

@@ -32,6 +32,10 @@ class Run:
         return self.output_tokens / self.elapsed
 
     @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.elapsed
+
+    @property
     def total_tps(self) -> float:
         return (self.output_tokens + self.prompt_tokens) / self.elapsed
 

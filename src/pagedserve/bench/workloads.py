@@ -1,4 +1,5 @@
-"""Benchmark workloads (W1, MIX, PREFIX, single stream) as token-id prompts, reproducible from a seed."""
+"""Benchmark workloads (W1, MIX, PREFIX, PREFILL, RAG, single stream) as token-id prompts, reproducible from a
+seed."""
 from __future__ import annotations
 
 import inspect
@@ -60,3 +61,21 @@ def prefix(tokens: list[int], num: int = 64, shared_len: int = 1024, suffix_len:
     rest = tokens[shared_len:]
     stride = (len(rest) - suffix_len) // num
     return [Job(shared + rest[i * stride:i * stride + suffix_len], output_len) for i in range(num)]
+
+
+def prefill(tokens: list[int], num: int = 32, prompt_len: int = 1024) -> list[Job]:
+    """num different prompt_len-token prompts, one output token each: prompt throughput. The prompts are
+    slices of the text at different offsets, so none shares a cached block with another."""
+    return w1(tokens, num, prompt_len, 1)
+
+
+def rag(tokens: list[int], num: int = 32, seed: int = 1, output_len: int = 128) -> list[Job]:
+    """A retrieval route's shape: prompts of 1,000-1,500 tokens (context and question), output_len-token
+    answers, lengths and offsets from a fixed seed."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(num):
+        plen = rng.randint(1000, 1500)
+        start = rng.randrange(0, len(tokens) - plen)
+        jobs.append(Job(tokens[start:start + plen], output_len))
+    return jobs
