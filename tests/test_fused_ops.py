@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.model.kernels import cpu_kernels, kernels_expected
-from pagedserve.model.llama import rotate
+from pagedserve.model.layers import rotate
 
 BF16 = torch.bfloat16
 

@@ -92,7 +92,7 @@ def test_greedy_matches_transformers_token_for_token(folder_and_model):
 
 
 def test_rope_keys_of_older_and_newer_configs_mean_the_same():
-    from pagedserve.model.llama import RotaryEmbedding
+    from pagedserve.model.layers import RotaryEmbedding
     from pagedserve.model.model_config import ModelConfig
 
     base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,

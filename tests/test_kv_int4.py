@@ -164,7 +164,7 @@ def test_fused_write_matches_the_reference(kernels):  # noqa: F811
     """rope_and_cache_int4 against rotate + LayerKVCache.write: same tails (keys shifted by the layer's offset),
     key and value parameters, codes within one step (a value at a rounding boundary may take the neighbouring
     code or scale code), through the same plans."""
-    from pagedserve.model.llama import rotate
+    from pagedserve.model.layers import rotate
 
     torch.manual_seed(0)
     heads, kv_heads, d, bs = 9, 3, 64, 16

@@ -13,7 +13,7 @@ import torch
 from pagedserve.config import EngineConfig, parse_size
 from pagedserve.engine.calibration import CALIBRATION_TEXT
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.kv_cache import KVCacheManager
+from pagedserve.engine.kv_cache import KVCacheGroup, KVCacheManager, kv_cache_groups
 from pagedserve.engine.kv_transfer import KVTransfer
 from pagedserve.engine.lora_manager import LoRAManager
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
@@ -25,9 +25,9 @@ from pagedserve.engine.stats import EngineStats
 from pagedserve.engine.structured_output import GrammarCompiler, GrammarLimits, advance
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
-from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import is_gguf, load_model
 from pagedserve.model.lora import LoRAAdapter
+from pagedserve.model.models import FAMILIES, family
 from pagedserve.model.quant import QUANTIZATIONS
 from pagedserve.model.quant_linear import (
     quant_kernel,
@@ -77,7 +77,9 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.config.name
         self.eos_token_ids = loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
-        model = LlamaForCausalLM(loaded.config, loaded.weights.pop("rope_freqs", None))
+        self.family = family(loaded.config.family)
+        self._check_features(config)
+        model = self.family.model_class()(loaded.config, loaded.weights.pop("rope_freqs", None))
         model.load_weights(loaded.weights)
         if self.quantization in ("int8", "int4"):
             model.quantize_linears(self.quantization, hadamard=w8a8_basis(self.quantization, self.dtype))
@@ -93,8 +95,10 @@ class LLMEngine:
         if num_blocks < 1:
             tails = " beside int4's key tails (one per --max-num-seqs seat)" if self.kv_format.int4 else ""
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds not even one KV block{tails}")
-        self.max_model_len = self._fit_context(num_blocks * config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        groups = kv_cache_groups(loaded.config.layer_windows)
+        self.max_model_len = self._fit_context(self._one_request_tokens(num_blocks, groups))
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 [g.window for g in groups])
         self.runner = ModelRunner(model, loaded.config, self.kv_format, num_blocks, config.block_size,
                                   use_kernel=config.attention_backend == "cpp",
                                   calibration_ids=self.tokenizer.encode(CALIBRATION_TEXT),
@@ -103,7 +107,8 @@ class LLMEngine:
         if self.runner.tails is not None:  # a freed, partly written block gives back its int4 key tail
             self.kv.on_release = self.runner.tails.release
         self.weights_info.update(kv_cache_dtype=self.kv_format.name, kv_cache_blocks=num_blocks,
-                                 kv_cache_tokens=num_blocks * config.block_size)
+                                 kv_cache_tokens=num_blocks * config.block_size, kv_cache_groups=len(groups),
+                                 kv_cache_sliding_groups=sum(g.window is not None for g in groups))
         self.kv_transfer = KVTransfer(self.kv, self.runner)  # leases and imports of KV blocks (disaggregation)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_protect_after, config.priority_preemption_delay,
@@ -122,6 +127,28 @@ class LLMEngine:
                     "tokens in %s (%d tokens), max_model_len %d", self.model_name, self.dtype, self.quantization,
                     self.weight_bytes / 1e6, time.perf_counter() - t0, num_blocks, config.block_size,
                     self.kv_format.name, num_blocks * config.block_size, self.max_model_len)
+
+    def _check_features(self, config: EngineConfig) -> None:
+        """Refuses, naming it, what this model's family cannot do yet."""
+        f = self.family
+        if self.quantization in ("int8", "int4") and not f.quantize_at_load:
+            raise ValueError(f"--quantization {self.quantization} is not supported for {f.name} models yet (their "
+                             "experts stay float); supported: none, auto")
+        if config.enable_lora and not f.lora:
+            raise ValueError(f"LoRA adapters are not supported for {f.name} models yet (mixture-of-experts layers "
+                             "have no adapter slots); supported families: "
+                             f"{', '.join(x.name for x in FAMILIES if x.lora)}")
+
+    def _one_request_tokens(self, num_blocks: int, groups: list[KVCacheGroup]) -> int:
+        """The longest sequence the pool holds alone: every full group holds all its blocks; each sliding group
+        about its window and one step's chunk."""
+        bs = self.config.block_size
+        full = sum(g.window is None for g in groups)
+        reserve = sum(-(-(g.window + self.config.max_num_batched_tokens) // bs) + 1 for g in groups
+                      if g.window is not None)
+        if not full:
+            return self.model_config.max_position_embeddings if num_blocks >= reserve else 0
+        return max(num_blocks - reserve, 0) // full * bs
 
     def _fit_context(self, pool_tokens: int) -> int:
         """The context length: the model's (or the configured cap), but never more than the KV pool holds,

