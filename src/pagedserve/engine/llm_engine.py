@@ -325,7 +325,18 @@ class LLMEngine:
                            dict(self.scheduler.preemptions), lora_adapters=adapters, lora_bytes=nbytes,
                            lora_loads=self.loras.loads if self.loras is not None else 0,
                            lora_evictions=self.loras.evictions if self.loras is not None else 0,
-                           kv_leases=len(self.kv_transfer.leases), kv_leased_blocks=self.kv_transfer.pinned_blocks)
+                           kv_leases=len(self.kv_transfer.leases), kv_leased_blocks=self.kv_transfer.pinned_blocks,
+                           **self._expert_load())
+
+    def _expert_load(self) -> dict:
+        """Tokens per expert and load imbalance of a mixture-of-experts model; nothing for a dense one."""
+        counts_of = getattr(self.runner.model, "expert_tokens", None)
+        if counts_of is None:
+            return {}
+        counts = counts_of().double()  # [sparse layers, experts]
+        mean = counts.mean(dim=1).clamp_min(1e-9)
+        return {"expert_tokens": counts.sum(dim=0).long().tolist(),
+                "expert_load_imbalance": float((counts.amax(dim=1) / mean).mean()) if counts.sum() else 0.0}
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

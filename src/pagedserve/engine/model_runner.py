@@ -62,7 +62,7 @@ class ModelRunner:
                 self.kv_caches[layer] = (self.storage[place] if len(self.groups) == 1
                                          else sharing(self.storage[place], kv_format, heads, d, block_size))
         if kv_format.per_head_scale or kv_format.int4:
-            self._calibrate(config, calibration_ids or list(range(1, 257)))
+            self._calibrate(config, (calibration_ids or list(range(1, 257)))[:config.max_position_embeddings])
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, kv_format: KVFormat, block_size: int) -> int:

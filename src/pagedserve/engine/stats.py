@@ -23,6 +23,8 @@ class EngineStats:
     lora_evictions: int = 0
     kv_leases: int = 0  # KV transfer leases held for decode workers, and the blocks they pin
     kv_leased_blocks: int = 0
+    expert_tokens: list[int] = field(default_factory=list)  # MoE: tokens routed to each expert, all layers summed
+    expert_load_imbalance: float = 0.0  # MoE: busiest expert's tokens / the mean, averaged over sparse layers
 
     @property
     def prefix_cache_hit_rate(self) -> float:

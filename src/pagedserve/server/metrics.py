@@ -62,6 +62,14 @@ class EngineStatsCollector(Collector):
         yield counter("lora_loads", "LoRA adapter loads (a reload counts again)", s.lora_loads)
         yield counter("lora_evictions", "LoRA adapters evicted least-recently-used (--max-cpu-loras)",
                       s.lora_evictions)
+        if s.expert_tokens:
+            experts = CounterMetricFamily("pagedserve_moe_expert_tokens", "tokens routed to each expert of a "
+                                          "mixture-of-experts model, all sparse layers summed", labels=[*names, "expert"])
+            for expert, count in enumerate(s.expert_tokens):
+                experts.add_metric([*values, str(expert)], count)
+            yield experts
+            yield gauge("moe_expert_load_imbalance", "busiest expert's routed tokens over the mean, averaged over "
+                        "sparse layers (1.0: perfectly balanced)", s.expert_load_imbalance)
         yield counter("prompt_tokens", "prompt tokens processed", s.prompt_tokens_total)
         yield counter("generation_tokens", "tokens generated", s.generation_tokens_total)
 

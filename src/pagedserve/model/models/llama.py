@@ -205,12 +205,13 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(params[key].shape)}")
                 params[key].copy_(w)
 
-    def fuse_layer(self, weights: dict[str, torch.Tensor | QuantizedWeight], p: str) -> None:
-        """One layer's q/k/v and gate/up weights (prefix p) into the fused projections' names."""
+    def fuse_layer(self, weights: dict[str, torch.Tensor | QuantizedWeight], p: str, mlp: bool = True) -> None:
+        """One layer's q/k/v and (mlp) gate/up weights (prefix p) into the fused projections' names."""
         fuse(weights, p + "self_attn.qkv_proj.weight", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
         if self.config.attention_bias:
             fuse(weights, p + "self_attn.qkv_proj.bias", [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
-        fuse(weights, p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        if mlp:
+            fuse(weights, p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
 
     def _set_quantized(self, key: str, w: QuantizedWeight) -> None:
         path = key.removesuffix(".weight")

@@ -1,0 +1,128 @@
+"""Mixture-of-experts families: Qwen3-MoE (Qwen3's attention, QK-norm) and Mixtral (Llama's attention).
+
+Each token goes to its top-k experts by the router's softmax, the k weights renormalized to sum to 1 (always in
+Mixtral, when norm_topk_prob in Qwen3-MoE). The batch's (token, expert) pairs are sorted by expert and every
+expert's rows run in one grouped GEMM per projection (torch._grouped_mm, as model/lora.py's SGMV groups adapters):
+an expert no token chose is an empty group and costs nothing, and no Python loop runs per expert. _grouped_mm
+wants 16-byte aligned rows, so the experts' weights are zero-padded once at load to multiples of 8 columns.
+Each sparse layer counts the tokens routed to each expert (for /metrics: load balance).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.layers import StepContext
+from pagedserve.model.linear import Linear
+from pagedserve.model.model_config import ModelConfig
+from pagedserve.model.models.llama import ACTIVATIONS, MLP, Attention, DecoderLayer, LlamaForCausalLM
+from pagedserve.model.models.qwen3 import Qwen3Attention
+from pagedserve.model.quant import QuantizedWeight
+
+ALIGN = 8  # columns: 16 bytes of bf16, 32 of fp32
+
+
+def padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.act = ACTIVATIONS[config.hidden_act]
+        h, i = config.hidden_size, config.moe_intermediate_size
+        self.hidden, self.inter = h, i
+        self.gate = Linear(h, self.num_experts, bias=False)  # the router
+        # Transposed for x @ W: gate in columns [0, i), up in [padded(i), padded(i) + i).
+        self.w13 = nn.Parameter(torch.zeros(self.num_experts, padded(h), 2 * padded(i)), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(self.num_experts, padded(i), padded(h)), requires_grad=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = order // self.top_k  # the token of each (token, expert) pair, by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.tokens_per_expert += counts
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        xs = F.pad(x[rows], (0, padded(self.hidden) - self.hidden))
+        gate, up = torch._grouped_mm(xs, self.w13, offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(self.act(gate) * up, self.w2, offs=offs)[:, :self.hidden]
+        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)
+        out = torch.zeros_like(x).index_add_(0, rows, y)
+        return out if residual is None else residual + out
+
+    def load_experts(self, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
+        """Per expert, HF layouts: gate and up [inter, hidden], down [hidden, inter]."""
+        h, i, pi = self.hidden, self.inter, padded(self.inter)
+        with torch.no_grad():
+            self.w13.zero_()
+            self.w2.zero_()
+            for e, (g, u, d) in enumerate(zip(gate, up, down, strict=True)):
+                for name, w, shape in (("gate", g, (i, h)), ("up", u, (i, h)), ("down", d, (h, i))):
+                    if tuple(w.shape) != shape:
+                        raise ValueError(f"layer {self.layer_index} expert {e} {name} has shape {tuple(w.shape)}, "
+                                         f"expected {shape}")
+                self.w13[e, :h, :i] = g.T
+                self.w13[e, :h, pi:pi + i] = u.T
+                self.w2[e, :i, :h] = d.T
+
+
+class MoEDecoderLayer(DecoderLayer):
+    def make_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return SparseMoE(config, layer_index) if config.is_sparse_layer(layer_index) else MLP(config, layer_index)
+
+
+class Qwen3MoeDecoderLayer(MoEDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class MixtralDecoderLayer(MoEDecoderLayer):
+    attention_cls = Attention
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    runs_decode_stack = False
+    expert_names = ("gate_proj", "up_proj", "down_proj")  # HF names of each expert's gate, up and down
+    block = "mlp"  # where the experts sit in a layer, in HF naming
+
+    def fuse_layer(self, weights: dict[str, torch.Tensor | QuantizedWeight], p: str) -> None:
+        layer = self.layers[int(p.split(".")[2])]
+        if not isinstance(layer.mlp, SparseMoE):
+            super().fuse_layer(weights, p)
+            return
+        super().fuse_layer(weights, p, mlp=False)
+        moe, names = layer.mlp, self.expert_names
+        parts = [[_pop(weights, f"{p}{self.block}.experts.{e}.{n}.weight") for e in range(moe.num_experts)]
+                 for n in names]
+        moe.load_experts(*parts)
+        weights[f"{p}mlp.gate.weight"] = _pop(weights, f"{p}{self.block}.gate.weight")
+
+    def expert_tokens(self) -> torch.Tensor:
+        """Tokens routed to each expert so far: [sparse layers, experts]."""
+        return torch.stack([layer.mlp.tokens_per_expert for layer in self.layers if isinstance(layer.mlp, SparseMoE)])
+
+
+def _pop(weights: dict[str, torch.Tensor | QuantizedWeight], name: str) -> torch.Tensor:
+    if name not in weights:
+        raise ValueError(f"model file lacks {name!r}")
+    w = weights.pop(name)
+    return w.dequantize() if isinstance(w, QuantizedWeight) else w
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    layer_cls = Qwen3MoeDecoderLayer
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    layer_cls = MixtralDecoderLayer
+    expert_names = ("w1", "w3", "w2")
+    block = "block_sparse_moe"
