@@ -257,12 +257,12 @@ def run_guidellm(server: ServerProcess, users: int, args: argparse.Namespace) ->
         report = Path(tmp) / "guidellm.json"
         cmd = [str(exe), "run", "--backend", f"kind=openai_http,target={server.url},model={server.model}",
                "--profile", f"kind=concurrent,streams={users}",
-               "--constraint", f"kind=max_duration,seconds={args.closed_duration:g}",
+               "--constraint", f"kind=max_duration,seconds={args.guidellm_duration:g}",
                "--data", f"kind=synthetic_text,prompt_tokens={args.closed_prompt},output_tokens={args.closed_output}",
                "--tokenizer", f"kind=huggingface_auto,model={args.hf_folder}",
                "--output", f"kind=json,path={report}", "--disable-console-interactive"]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, check=False,
-                              timeout=args.closed_duration + args.rate_timeout,
+                              timeout=args.guidellm_duration + args.rate_timeout,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if done.returncode != 0 or not report.is_file():
             logger.warning("guidellm failed (%s): %s", done.returncode, (done.stdout + done.stderr)[-2000:])
@@ -347,6 +347,15 @@ def report_markdown(results: list[RateResult], args: argparse.Namespace, plot: P
     return "\n".join(lines) + "\n"
 
 
+def guidellm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("guidellm")
+    except PackageNotFoundError:
+        return "?"
+
+
 def cpu_name() -> str:
     info = Path("/proc/cpuinfo")
     if info.exists():
@@ -367,7 +376,12 @@ def closed_markdown(levels: list[LevelResult], args: argparse.Namespace) -> list
     out = [(f"Closed loop: N users, each sending its next request when its last one ends, for {args.closed_duration:g} s "
             f"(requests under way then run to their end); {args.closed_prompt}-token prompts (no two alike), "
             f"{args.closed_output}-token answers, greedy, ignore_eos, streamed /v1/completions. A refused user {how}. "
-            "Refused: 429/503 answers, counted per request sent."), "",
+            "Refused: 429/503 answers, counted per request sent.")]
+    if any(lv.server.endswith(" (guidellm)") for lv in levels):
+        out.append(f"Rows marked (guidellm): guidellm {guidellm_version()}'s concurrent profile, the same prompt and "
+                   f"answer lengths (its synthetic text, chat completions), {args.guidellm_duration:g} s, requests "
+                   "still under way at its end cut (not counted as ok), a refused user going on at once.")
+    out += ["",
            ("| server | users | ok | refused | failed | out tok/s | req/s | TTFT p50/p90/p99 (ms) "
             "| ITL p50/p90/p99 (ms) | TPOT p50 (ms) | Retry-After given (s) |"),
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -461,6 +475,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--closed-output", type=int, default=128, help="closed-loop output tokens")
     p.add_argument("--guidellm", default="",
                    help="closed-loop levels to run with guidellm too (the issue's load generator), e.g. 16")
+    p.add_argument("--guidellm-duration", type=float, default=60.0,
+                   help="guidellm's window in seconds (it cuts requests still under way at its end: longer than a "
+                        "request's whole time at the level, or it counts nothing)")
     p.add_argument("--refused", choices=["retry-after", "at-once"], default="retry-after",
                    help="what a refused closed-loop user does: wait its Retry-After (the OpenAI SDK) or send its next "
                         "request at once (guidellm)")

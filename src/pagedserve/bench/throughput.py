@@ -212,6 +212,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantizations", default="auto",
                    help="pagedserve's weight modes, one column each (e.g. none,gguf: bf16 weights and the GGUF's "
                         "own blocks; auto: what the server would choose on this CPU)")
+    p.add_argument("--single-quantizations", default="",
+                   help="weight modes measured on the single stream only, besides --quantizations (e.g. gguf, "
+                        "whose integer path is for one stream on CPUs without AMX)")
     p.add_argument("--peers", default="transformers,vllm,llama.cpp",
                    help="comma-separated peers: transformers, vllm (vLLM CPU), llama.cpp (llama-server); one that is "
                         "not installed is skipped with the reason in the notes")
@@ -382,7 +385,9 @@ def run_args(args: argparse.Namespace) -> int:
                      {labels[modes[0]]: [medians[True]]}, {"pagedserve, caching off": [medians[False]]}, {}))
     if "single" in todo:
         job = w1(tokens, 1, ln(128), ln(128))[0]
-        singles = {label: engine(quantization=mode, kv_cache_memory="256MiB") for mode, label in labels.items()}
+        single_modes = dict(labels) | {m: f"pagedserve {m}" for m in args.single_quantizations.split(",")
+                                       if m and m not in labels}
+        singles = {label: engine(quantization=mode, kv_cache_memory="256MiB") for mode, label in single_modes.items()}
         ours_single: dict[str, list[tuple[float, float]]] = {label: [] for label in singles}
         peer_single: dict[str, list[tuple[float, float]]] = {}
         systems = [(label, lambda e=e: single_stream(e, job)) for label, e in singles.items()]
@@ -447,6 +452,7 @@ def table_row(name: str, cmp: Comparison, metric, label: str):
 def render(rows, notes, problems, args) -> str:
     flags = (f"--workloads {args.workloads} --dtype {args.dtype} --quantizations {args.quantizations} "
              f"--peers {args.peers} --repeats {args.repeats}")
+    flags += f" --single-quantizations {args.single_quantizations}" if args.single_quantizations else ""
     flags += "" if args.scale == 1 else f" --scale {args.scale}"
     flags += "" if args.length_scale == 1 else f" --length-scale {args.length_scale}"
     lines = [f"Command: `pagedserve bench throughput {flags}`", "", machine_line(), "",
