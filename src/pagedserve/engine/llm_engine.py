@@ -6,6 +6,7 @@ import logging
 import random
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,16 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself when it names no file but reads as Jinja."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
 def _attach_matcher(req: Request, template: Any) -> None:
     req.matcher = template.deep_copy()
 
@@ -75,6 +86,8 @@ class LLMEngine:
         loaded = load_model(config.model, self.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self.model_name = loaded.config.name
         self.eos_token_ids = loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
         self.family = family(loaded.config.family)
@@ -140,15 +153,17 @@ class LLMEngine:
                              f"{', '.join(x.name for x in FAMILIES if x.lora)}")
 
     def _one_request_tokens(self, num_blocks: int, groups: list[KVCacheGroup]) -> int:
-        """The longest sequence the pool holds alone: every full group holds all its blocks; each sliding group
-        about its window and one step's chunk."""
+        """The longest sequence the pool holds alone: every full group holds all its blocks, each sliding group
+        at most its window and one step's chunk."""
         bs = self.config.block_size
         full = sum(g.window is None for g in groups)
-        reserve = sum(-(-(g.window + self.config.max_num_batched_tokens) // bs) + 1 for g in groups
-                      if g.window is not None)
+        sliding = [-(-(g.window + self.config.max_num_batched_tokens) // bs) + 1 for g in groups if g.window is not None]
+        if not sliding:
+            return num_blocks * bs
+        short = min(num_blocks // len(groups), min(sliding))  # short enough for the sliding groups to hold all
         if not full:
-            return self.model_config.max_position_embeddings if num_blocks >= reserve else 0
-        return max(num_blocks - reserve, 0) // full * bs
+            return self.model_config.max_position_embeddings if num_blocks >= sum(sliding) else short * bs
+        return max(short, (num_blocks - sum(sliding)) // full) * bs
 
     def _fit_context(self, pool_tokens: int) -> int:
         """The context length: the model's (or the configured cap), but never more than the KV pool holds,

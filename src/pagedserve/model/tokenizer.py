@@ -46,7 +46,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         if not self.chat_template:
-            raise ValueError("this model has no chat template")
+            raise ValueError("this model has no chat template (a base model): give it one with --chat-template FILE "
+                             "(LLM(chat_template=...)), or use completions")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
