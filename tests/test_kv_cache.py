@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import ClassVar
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedserve.engine.kv_cache import KVCacheManager
+from pagedserve.engine.kv_cache import NULL_BLOCK, KVCacheGroup, KVCacheManager, kv_cache_groups
 from pagedserve.engine.request import Request
 from pagedserve.sampling_params import SamplingParams
 
@@ -34,8 +35,9 @@ class KVMachine(RuleBasedStateMachine):
     def allocate(self, tokens):
         req = make_request(self._new_id(), tokens)
         cached = self.kv.find_cached_prefix(req)
-        for i, b in enumerate(cached):  # a hit always holds exactly the request's tokens
-            assert self.kv.blocks[b].token_ids == tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
+        for i, entry in enumerate(cached):  # a hit always holds exactly the request's tokens (in every group)
+            for b in entry if isinstance(entry, tuple) else (entry,):
+                assert b == NULL_BLOCK or self.kv.blocks[b].token_ids == tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
         num_new = len(tokens) - len(cached) * BLOCK
         if self.kv.allocate_slots(req, num_new, cached):
             req.num_computed_tokens = len(tokens)
@@ -143,3 +145,102 @@ def test_allocation_failure_changes_nothing():
     req = make_request("a", list(range(3 * BLOCK)))
     assert not kv.allocate_slots(req, 3 * BLOCK)
     assert kv.num_free_blocks == 2 and kv.block_table("a") == []
+
+
+class HybridKVMachine(KVMachine):
+    """The same operations over a hybrid pool (vLLM v1's hybrid allocator): one full-attention group and two
+    sliding-window groups (windows of 6 and 9 tokens, off block boundaries) sharing one pool of block ids."""
+
+    WINDOWS: ClassVar[list[int | None]] = [6, None, 9]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS * 2, BLOCK, windows=self.WINDOWS)
+
+    @invariant()
+    def refcounts_match_block_tables(self):
+        refs = Counter(b for rid in self.reqs for g in range(len(self.WINDOWS)) for b in self.kv.block_table(rid, g)
+                       if b != NULL_BLOCK)
+        for block in self.kv.blocks:
+            assert block.ref_count == refs.get(block.block_id, 0)
+            assert (block.ref_count == 0) == (block.block_id in self.kv.free_queue)
+
+    @invariant()
+    def cached_map_is_consistent(self):
+        for g, cached in enumerate(self.kv.cached_by_group):
+            for h, b in cached.items():
+                block = self.kv.blocks[b]
+                assert block.block_hash == h and block.token_ids is not None and block.group == g
+
+    @invariant()
+    def tables_cover_tokens(self):
+        """Every group's table spans the computed tokens; a sliding group holds the blocks the next token's window
+        reaches and NULL_BLOCK before them, a full group every block."""
+        for rid, req in self.reqs.items():
+            for g, window in enumerate(self.WINDOWS):
+                table = self.kv.block_table(rid, g)
+                assert len(table) == -(-req.num_computed_tokens // BLOCK)
+                if window is None:
+                    assert NULL_BLOCK not in table
+                    continue
+                first_seen = max(0, req.num_computed_tokens - window + 1) // BLOCK
+                assert NULL_BLOCK not in table[first_seen:]
+                assert set(table[:first_seen]) <= {NULL_BLOCK} or rid not in self.kv.req_window_start
+
+
+TestHybridKVMachine = HybridKVMachine.TestCase
+TestHybridKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_hybrid_groups_share_one_pool():
+    """Gemma 3 270M's layout: 15 sliding and 3 full layers make six groups of three layers (five sliding)."""
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
+    groups = kv_cache_groups(windows)
+    assert [g.window for g in groups] == [None] + [512] * 5 and all(len(g.layers) == 3 for g in groups)
+    assert groups[0].layers == (5, 11, 17)
+    assert kv_cache_groups([None] * 30) == [KVCacheGroup(tuple(range(30)))]
+
+
+def test_hybrid_prefix_hit_needs_only_the_window():
+    """A freed sequence's sliding blocks before the window are gone, yet its prefix is still a hit."""
+    kv = KVCacheManager(64, BLOCK, windows=[None, 6])
+    tokens = list(range(10 * BLOCK))
+    first = make_request("a", tokens)
+    for step in range(0, len(tokens), BLOCK):  # chunked: the window drops the oldest sliding blocks as it goes
+        assert kv.allocate_slots(first, BLOCK)
+        first.num_computed_tokens += BLOCK
+        kv.cache_full_blocks(first)
+    sliding = kv.block_table("a", 1)
+    assert sliding.count(NULL_BLOCK) >= 7 and NULL_BLOCK not in kv.block_table("a", 0)
+    kv.free("a")
+    for b in sliding[:7]:
+        assert b == NULL_BLOCK
+    again = make_request("b", tokens + [1])
+    hit = kv.find_cached_prefix(again)
+    assert len(hit) == 10
+    assert all(entry[1] == NULL_BLOCK for entry in hit[:8]) and all(entry[1] != NULL_BLOCK for entry in hit[8:])
+    assert kv.allocate_slots(again, 1, hit)
+    assert kv.block_table("b", 0) == [entry[0] for entry in hit] + kv.block_table("b", 0)[10:]
+
+
+def test_hybrid_capacity_at_8k_contexts():
+    """At 8k-token contexts Gemma 3's hybrid layout holds about 4.5 times the sequences of a full layout in the same
+    pool: per sequence 512 blocks of the full group and 5 x 33 of the sliding ones, against 6 x 512."""
+    pool = 4096
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
+    groups = [g.window for g in kv_cache_groups(windows)]
+
+    def concurrency(manager: KVCacheManager) -> int:
+        n = 0
+        while True:
+            req = make_request(f"r{n}", list(range(n * 8192, (n + 1) * 8192)))
+            for _ in range(0, 8192, 256):  # chunked prefill: blocks before the window go back as it advances
+                if not manager.allocate_slots(req, 256):
+                    return n
+                req.num_computed_tokens += 256
+                manager.cache_full_blocks(req)
+            n += 1
+
+    hybrid = concurrency(KVCacheManager(pool, 16, windows=groups))
+    full = concurrency(KVCacheManager(pool // 6, 16))  # the same bytes: a full layout's block holds all 18 layers
+    assert (hybrid, full) == (5, 1)  # 6 x 677 blocks fit once prefilled, but the sixth's last chunk needs 5 x 49

@@ -154,11 +154,15 @@ class KVCacheManager:
         return out
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's newly completed full blocks (KV computed) in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
-        hashes = self.req_hashes.setdefault(req.request_id, [])
+        """After a step: register the request's newly completed full blocks (KV computed) in the prefix cache, then
+        give back the sliding groups' blocks that the next token's window no longer reaches."""
         tables = self.req_blocks[req.request_id]
+        if self.enable_prefix_caching:
+            self._register(req, tables)
+        self._drop_out_of_window(req.request_id, tables, req.num_computed_tokens)
+
+    def _register(self, req: Request, tables: list[list[int]]) -> None:
+        hashes = self.req_hashes.setdefault(req.request_id, [])
         num_full = min(req.num_computed_tokens // self.block_size, len(tables[0]))
         for i in range(len(hashes), num_full):
             tokens = tuple(req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
