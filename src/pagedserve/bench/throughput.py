@@ -136,7 +136,7 @@ class Comparison:
                 self._peer(peer, label)
         for r in range(1, self.repeats):
             order = [("ours", label) for label in self.ours_fns] + [
-                ("peer", peer) for peer in self.settings if self.best_label(peer)]
+                ("peer", peer) for peer in self.settings if self.best_label(peer) is not None]
             for kind, who in (order if r % 2 == 0 else order[::-1]):
                 if kind == "ours":
                     self._ours(who)
