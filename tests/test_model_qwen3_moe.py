@@ -112,6 +112,14 @@ def test_kv_cache_dtypes_and_structured_output_run(family_model):
     assert out in ("yes", "no")
 
 
+def test_bfloat16_runs_the_fused_ops(family_model):
+    """bf16 on CPU: prepacked linears and the fused C++ norms, RoPE and KV writes (QK-norm applied in place
+    before them); the experts' grouped GEMM in bf16."""
+    _, folder, _, prompts, expected = family_model
+    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="4MiB")
+    assert sum(o[:2] == e[:2] for o, e in zip(run(llm, prompts), expected)) >= 3
+
+
 def test_forks_share_blocks(family_model):
     _, _, llm, prompts, expected = family_model
     out = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, n=3, max_tokens=NUM_TOKENS,
