@@ -106,11 +106,12 @@ def reference(windows):
 
 
 # Measured on these 798 positions (fp32 weights, AMX Xeon): perplexity fp8_e4m3 +0.78% (top-1 95.7%), fp8_e5m2
-# +1.5% (94.0%; two mantissa bits: outside fp8's 1% budget on the long text), int8 +0.28% (98.5%), bfloat16
+# +1.5% (94.0%; two mantissa bits: outside fp8's 1% budget on the long text), int8 +0.28% (98.5%; 98.0% on an AMD
+# EPYC, whose fp32 GEMMs round differently: one position), bfloat16
 # storage -0.01% (99.9%), int4 +2.75% (92.2%). On 20,480 tokens (docs/benchmarks.md) fp8_e4m3 is +0.48% / +0.66%
 # at windows of 512 / 2048: on 798 positions a few tokens swing it.
 @pytest.mark.parametrize(("name", "budget", "min_top1"), [("fp8_e4m3", 0.01, 0.94), ("fp8_e5m2", 0.06, 0.89),
-                                                          ("int8", 0.01, 0.98), ("bfloat16", 0.002, 0.99),
+                                                          ("int8", 0.01, 0.975), ("bfloat16", 0.002, 0.99),
                                                           ("int4", 0.05, 0.88)])
 def test_quality_against_the_model_dtype_cache(name, budget, min_top1, windows, reference):
     """Prompt scoring reads the quantized cache (prefill attends over the pool), so this measures the cache."""
@@ -124,10 +125,12 @@ def test_quality_against_the_model_dtype_cache(name, budget, min_top1, windows, 
 
 def test_int8_greedy_agrees_with_the_unquantized_cache(reference_prompts):
     """On the reference prompts, int8 KV's greedy output is the model-dtype cache's for the first 16 tokens, or
-    parts from it only where the unquantized cache's two best tokens are within 0.05 nats (a near-tie any
-    rounding may flip). Measured over 32 tokens: 6 of 8 identical; the plain-text prompt parts at its first
-    token, a three-way tie (198, 34, 33 within 0.022 nats); bfloat16 storage: 8 of 8; fp8_e4m3 parts within 2
-    tokens on 5 of 8, which is why int8 is the format to recommend."""
+    parts from it only where the unquantized cache's two best tokens are within 0.15 nats (a near-tie int8's
+    rounding may flip: it moves a logprob by up to about 0.12 nats on these prompts), and the parting tokens are
+    then within that distance in int8's own ranking too. Measured over 32 tokens on an AMX Xeon: 6 of 8
+    identical; the plain-text prompt parts at its first token, a three-way tie (198, 34, 33 within 0.022 nats);
+    on an AMD EPYC also the fifth chat prompt, at a 0.10-nat margin (int8: 0.05 the other way); bfloat16
+    storage: 8 of 8; fp8_e4m3 parts within 2 tokens on 5 of 8, which is why int8 is the format to recommend."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in reference_prompts]
     base = LLM(dtype="float32", kv_cache_memory="64MiB").generate(prompts, params)
@@ -139,8 +142,9 @@ def test_int8_greedy_agrees_with_the_unquantized_cache(reference_prompts):
             identical += 1
             continue
         at = next(i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y)
-        best = sorted((lp.logprob for lp in a.outputs[0].logprobs[at].values()), reverse=True)
-        assert best[0] - best[1] < 0.05, f"parted at token {at} with a margin of {best[0] - best[1]:.3f} nats"
+        for out in (a, b):
+            best = sorted((lp.logprob for lp in out.outputs[0].logprobs[at].values()), reverse=True)
+            assert best[0] - best[1] < 0.15, f"parted at token {at} with a margin of {best[0] - best[1]:.3f} nats"
     assert identical >= 6
 
 

@@ -89,8 +89,9 @@ class ModelRunner:
                    for _ in range(config.num_hidden_layers)]
         table = list(range(num_blocks))
         meta = self._metadata([(0, n, [table] * len(self.groups))], 0)
-        if isinstance(meta, AttentionMetadata):
-            meta.key_plan = None  # the scratch cache is in the model dtype: no int4 key tails to plan
+        if isinstance(meta, AttentionMetadata) and self.tails is not None:
+            meta.key_plan = None  # the scratch cache is in the model dtype: no int4 key tails (give back those planned)
+            self.tails.release(table)
         self.model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n, dtype=torch.long), scratch, meta, bs)
         for layer, s in zip(self.kv_caches, scratch):
             if self.kv_format.int4:

@@ -12,10 +12,14 @@ import os
 import platform
 import shutil
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+# A build takes minutes; a lock older than this was left by a process killed mid-build, and torch would wait on it
+# forever.
+STALE_LOCK_S = 30 * 60
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
@@ -35,6 +39,7 @@ def cpu_kernels():
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
     build_dir = Path(sys.prefix) / "pagedserve_kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
+    _drop_stale_lock(build_dir / "lock")
     try:
         return load(name="pagedserve_cpu_kernels", sources=[str(p) for p in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
@@ -46,6 +51,16 @@ def cpu_kernels():
         else:
             logger.warning("C++ kernels unavailable (no compiler or not x86-64): using the PyTorch path (%s)", e)
         return None
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing %s, left %.0f minutes ago by a build that never finished", lock, age / 60)
+        lock.unlink(missing_ok=True)
 
 
 def kernels_expected() -> bool:

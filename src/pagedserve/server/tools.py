@@ -228,10 +228,10 @@ class ToolCallStream:
                 at = self.pending.find(parser.open)
                 if at < 0:
                     keep = _partial_suffix(self.pending, parser.open)
-                    content.append(self._text(self.pending[:len(self.pending) - keep], call_follows=False))
+                    content.append(self._text(self.pending[:len(self.pending) - keep]))
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
-                content.append(self._text(self.pending[:at], call_follows=True))
+                content.append(self._text(self.pending[:at]))
                 self.pending, self.call = self.pending[at + len(parser.open):], _OpenCall()
             call = self.call
             call.body, self.pending = call.body + self.pending, ""
@@ -248,7 +248,8 @@ class ToolCallStream:
                 continue
             whole = parser.block(call.body[:end].strip(), self.plan.names)
             if whole is None or not self._may_call():
-                content.append("" if whole is not None else parser.open + call.body[:end] + parser.close)
+                if whole is None:  # not a call after all: its text, after the whitespace held before it
+                    content.append(self._text(parser.open + call.body[:end] + parser.close))
                 continue
             deltas += self._whole(whole)
         return "".join(content), deltas
@@ -266,7 +267,7 @@ class ToolCallStream:
         if name not in self.plan.names or not self._may_call():
             call.whole = True
             return []
-        call.header = new_call(name, {})
+        call.header, self.space = new_call(name, {}), ""
         call.args_start = call.scanned = head.end()
         return [DeltaToolCall(index=len(self.calls), id=call.header.id, type="function",
                               function=DeltaFunctionCall(name=name, arguments=""))]
@@ -289,12 +290,10 @@ class ToolCallStream:
     def _may_call(self) -> bool:
         return self.plan.parallel or not self.calls
 
-    def _text(self, piece: str, call_follows: bool) -> str:
+    def _text(self, piece: str) -> str:
         """Content to send: trailing whitespace is held until text follows it, and dropped when a call does
         (as in the unstreamed answer, whose content is stripped)."""
-        piece, self.space = self.space + piece, ""
-        if call_follows:
-            return piece.rstrip()
+        piece = self.space + piece
         body = piece.rstrip()
         self.space = piece[len(body):]
         return body
@@ -314,7 +313,8 @@ class ToolCallStream:
         if call.header is not None:
             self._close(call, call.body[call.args_start:call.args_end or len(call.body)])
             return "", deltas
-        return self.plan.parser.open + call.body + rest, []
+        space, self.space = self.space, ""
+        return space + self.plan.parser.open + call.body + rest, []
 
     def _cut_head(self, call: _OpenCall) -> list[DeltaToolCall]:
         """A call cut off before its head was read is still a call when its function is known: the named one
@@ -326,14 +326,14 @@ class ToolCallStream:
         names = [self.plan.choice] if self.plan.named else [n for n in self.plan.names if n.startswith(written)]
         if len(names) != 1:
             return []
-        call.header = new_call(names[0], {})
+        call.header, self.space = new_call(names[0], {}), ""
         call.args_start = call.args_end = len(call.body)
         return [DeltaToolCall(index=len(self.calls), id=call.header.id, type="function",
                               function=DeltaFunctionCall(name=names[0], arguments=""))]
 
     def _whole(self, call: ToolCall) -> list[DeltaToolCall]:
         """A call parsed whole: its head, then its arguments, as two deltas (two chunks)."""
-        index = len(self.calls)
+        index, self.space = len(self.calls), ""
         self.calls.append(call)
         return [DeltaToolCall(index=index, id=call.id, type="function",
                               function=DeltaFunctionCall(name=call.function.name, arguments="")),
