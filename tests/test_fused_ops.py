@@ -83,8 +83,34 @@ def test_rope_and_cache_turns_q_and_k_into_the_hadamard_basis_for_fp8(kernels, k
     close(qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d), k_ref)
 
 
+PREFILL_PATHS = ["portable", "avx512", "amx", "amx-emulated"]
+
+
+def prefill_path(kernels, name: str) -> int:
+    """The kernel's code for a prefill attention path; skips where this CPU or build lacks it."""
+    from pagedserve.model.attention import PREFILL_PATHS as CODES
+
+    if CODES[name] not in kernels.prefill_attention_paths():
+        pytest.skip(f"prefill attention path {name} is not built for this CPU")
+    return CODES[name]
+
+
+@pytest.fixture
+def forced_prefill_path(monkeypatch):
+    """Sets PAGEDSERVE_PREFILL_ATTENTION for one test (the choice is cached per process: cleared before and after)."""
+    from pagedserve.model.attention import prefill_attention_path
+
+    def force(name: str) -> None:
+        monkeypatch.setenv("PAGEDSERVE_PREFILL_ATTENTION", name)
+        prefill_attention_path.cache_clear()
+
+    yield force
+    monkeypatch.delenv("PAGEDSERVE_PREFILL_ATTENTION", raising=False)
+    prefill_attention_path.cache_clear()
+
+
 def test_bf16_fast_path_matches_plain_pytorch(kernels) -> None:
-    """The whole bf16 model on the fused ops against the same model on PyTorch's elementwise ops."""
+    """The whole bf16 model on the fused ops against the same model on PyTorch's elementwise ops and SDPA."""
     from pagedserve import LLM
     from pagedserve.sampling_params import SamplingParams
 
@@ -97,6 +123,45 @@ def test_bf16_fast_path_matches_plain_pytorch(kernels) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         token = a.outputs[0].token_ids[0]
         assert abs(got[token].logprob - expected[token].logprob) < 0.1
+
+
+@pytest.mark.parametrize("path", PREFILL_PATHS[:3])
+def test_prefill_paths_in_the_model(kernels, forced_prefill_path, path: str) -> None:
+    """The bf16 model with each prefill attention path against the same model with SDPA (the torch path): prompts
+    of a few to 700 tokens, prefilled whole and in 64-token chunks over their cached prefix. Logits are bf16 (an ulp
+    is 1/16 to 1/8 at this model's top logits), so logprobs agree within two ulps; a wrong block or mask moves them
+    by far more."""
+    from pagedserve import LLM
+    from pagedserve.model.attention import prefill_attention_path
+    from pagedserve.sampling_params import SamplingParams
+
+    prefill_path(kernels, path)
+    prompts = ["The three most important inventions in history are", "def fibonacci(n):",
+               "A short history of the printing press: " + "movable type, presses and paper mills. " * 60]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    results = {}
+    for name in ("torch", path):
+        forced_prefill_path(name)
+        assert prefill_attention_path() == name
+        for budget in (2048, 64):
+            llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", enable_prefix_caching=False,
+                      max_num_batched_tokens=budget)
+            results[name, budget] = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for budget in (2048, 64):
+        for got, expected in zip(results[path, budget], results["torch", budget]):
+            assert got.token_ids == expected.token_ids
+            token = got.token_ids[0]
+            assert abs(got.logprobs[0][token].logprob - expected.logprobs[0][token].logprob) < 0.15
+
+
+def test_prefill_path_can_be_forced_and_refuses_what_is_missing(kernels, forced_prefill_path) -> None:
+    from pagedserve.model.attention import prefill_attention_path
+
+    forced_prefill_path("avx1024")
+    with pytest.raises(RuntimeError, match="not available"):
+        prefill_attention_path()
+    forced_prefill_path("auto")
+    assert prefill_attention_path() in ("portable", "avx512", "amx")
 
 
 def filled_cache(kv_cache_dtype: str, model_dtype: torch.dtype, num_slots: int, kv_heads: int, d: int):
@@ -184,19 +249,22 @@ def test_rope_and_cache_quantizes_on_the_way_in(kernels, kv_cache_dtype: str, ro
     assert not cache.k[untouched].view(torch.uint8).any() and not cache.v[untouched].view(torch.uint8).any()
 
 
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 @pytest.mark.parametrize("kv_cache_dtype", KV_FORMATS[:1] + KV_FORMATS[2:])
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 64, 8),
                                                                    (10, 2, 64, 32)])
-def test_prefill_attention(kernels, kv_cache_dtype: str, heads: int, kv_heads: int, d: int, block_size: int) -> None:
-    """The bf16 prefill kernel against SDPA (fp32) on the same spans and stored cache: fresh prompts of lengths
-    around the 16-token tiles and chunked continuations over cached context, in one step after two decode rows;
-    quantized caches are dequantized a 16-key chunk at a time."""
+def test_prefill_attention(kernels, path: str, kv_cache_dtype: str, heads: int, kv_heads: int, d: int,
+                           block_size: int) -> None:
+    """Each path of the bf16 prefill kernel against SDPA (fp32) on the same spans and stored cache: fresh prompts
+    of lengths around the 16-query tiles and 32-key blocks, and chunked continuations over cached context, in one step
+    after two decode rows; quantized caches are read as the kernel reads them (dequantized, rounded to bf16)."""
     from pagedserve.model.attention import AttentionMetadata, PrefillSpan
 
-    if not kernels.prefill_attention_available():
-        pytest.skip("no AVX-512 BF16 here")
+    code = prefill_path(kernels, path)
+    if path == "amx-emulated" and (kv_cache_dtype != "auto" or block_size != 16):
+        pytest.skip("the emulated tiles are slow: its layouts on the plain cache")
     torch.manual_seed(0)
-    shapes = [(1, 0), (15, 0), (16, 0), (17, 0), (130, 0), (5, 40), (33, 17), (64, 200)]  # (new tokens, cached)
+    shapes = [(1, 0), (15, 0), (16, 0), (17, 0), (33, 0), (130, 0), (5, 40), (33, 17), (64, 200), (40, 31)]
     max_blocks = -(-max(n + c for n, c in shapes) // block_size)
     num_blocks = len(shapes) * max_blocks
     cache = filled_cache(kv_cache_dtype, BF16, num_blocks * block_size, kv_heads, d)
@@ -214,9 +282,45 @@ def test_prefill_attention(kernels, kv_cache_dtype: str, heads: int, kv_heads: i
                              prefill_tables=tables)
     out = torch.zeros(rows, heads, d, dtype=BF16)
     kernels.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.prefill_spans,
-                              meta.prefill_tables, block_size, d ** -0.5, out)
+                              meta.prefill_tables, block_size, d ** -0.5, out, path=code)
     assert not out[:nd].any()  # decode rows are the decode kernel's
     assert_prefill_matches_sdpa(out, q, cache, spans, block_size)
+
+
+@pytest.mark.parametrize("path", PREFILL_PATHS[:3])
+def test_prefill_attention_long_span(kernels, path: str) -> None:
+    """A 1,000-token prompt whose first 300 tokens are cached: many key blocks per query tile, the tiles spread over
+    the threads."""
+    from pagedserve.model.attention import PrefillSpan
+
+    code = prefill_path(kernels, path)
+    torch.manual_seed(1)
+    heads, kv_heads, d, bs, new, cached = 9, 3, 64, 16, 700, 300
+    blocks = -(-(new + cached) // bs)
+    cache = filled_cache("auto", BF16, blocks * bs, kv_heads, d)
+    table = torch.randperm(blocks)
+    q = (torch.randn(new, heads, d) * 3).to(BF16)
+    out = torch.zeros(new, heads, d, dtype=BF16)
+    kernels.prefill_attention(q, cache.k, cache.v, None, None, torch.tensor([[0, new, cached]]), table.unsqueeze(0), bs,
+                              d ** -0.5, out, path=code)
+    assert_prefill_matches_sdpa(out, q, cache, [PrefillSpan(0, new, cached, table)], bs)
+
+
+def test_prefill_attention_refuses_what_it_cannot_read(kernels) -> None:
+    """A path this CPU lacks, a span outside q, a block table naming blocks outside the pool: errors, not reads."""
+    torch.manual_seed(0)
+    cache = filled_cache("auto", BF16, 64, 1, 64)
+    q = torch.randn(8, 2, 64).to(BF16)
+    out = torch.zeros_like(q)
+    args = (q, cache.k, cache.v, None, None)
+    with pytest.raises(RuntimeError, match="not built"):
+        kernels.prefill_attention(*args, torch.tensor([[0, 8, 0]]), torch.tensor([[0]]), 16, 0.125, out, path=99)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.prefill_attention(*args, torch.tensor([[4, 8, 0]]), torch.tensor([[0]]), 16, 0.125, out)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.prefill_attention(*args, torch.tensor([[0, 8, 0]]), torch.tensor([[4]]), 16, 0.125, out)
+    with pytest.raises(RuntimeError, match="too short"):
+        kernels.prefill_attention(*args, torch.tensor([[0, 8, 20]]), torch.tensor([[0]]), 16, 0.125, out)
 
 
 def assert_prefill_matches_sdpa(out: torch.Tensor, q: torch.Tensor, cache, spans, block_size: int) -> None:

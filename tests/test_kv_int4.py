@@ -19,7 +19,7 @@ from pagedserve.model.kv_int4 import (
     unpack,
     value_scales,
 )
-from tests.test_fused_ops import assert_prefill_matches_sdpa, kernels  # noqa: F401  (kernels: the fixture)
+from tests.test_fused_ops import PREFILL_PATHS, assert_prefill_matches_sdpa, kernels, prefill_path  # noqa: F401
 
 BF16 = torch.bfloat16
 INT4 = resolve_kv_format("int4", BF16)
@@ -137,9 +137,9 @@ def test_decode_kernel_reads_int4_and_tails(kernels, heads: int, kv_heads: int, 
                                        bs, d ** -0.5)
 
 
-def test_prefill_kernel_reads_int4_and_tails(kernels):  # noqa: F811
-    if not kernels.prefill_attention_available():
-        pytest.skip("no AVX-512 BF16 here")
+@pytest.mark.parametrize("path", PREFILL_PATHS)
+def test_prefill_kernel_reads_int4_and_tails(kernels, path: str):  # noqa: F811
+    code = prefill_path(kernels, path)
     torch.manual_seed(0)
     heads, kv_heads, d, bs = 9, 3, 64, 16
     shapes = [(1, 0), (15, 0), (17, 0), (130, 0), (5, 40), (33, 17), (64, 200)]  # (new tokens, cached)
@@ -156,7 +156,7 @@ def test_prefill_kernel_reads_int4_and_tails(kernels):  # noqa: F811
     out = torch.zeros(rows, heads, d, dtype=BF16)
     kernels.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale,
                               torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans]), tables, bs,
-                              d ** -0.5, out, cache.k_tail, cache.tail_of_block)
+                              d ** -0.5, out, cache.k_tail, cache.tail_of_block, path=code)
     assert_prefill_matches_sdpa(out, q, cache, spans, bs)
 
 

@@ -411,8 +411,9 @@ def run_args(args: argparse.Namespace) -> int:
 
     sections = {}
     if rows:
+        # Without transformers, a section of its own (the transformers table stays): named by the peers that ran.
         title = "Offline throughput (engine)" if peer is not None or not offline else \
-            "Offline throughput against vLLM CPU and llama.cpp (engine)"
+            f"Offline throughput against {' and '.join(offline)} (engine)"
         sections[title] = render(rows, notes, problems, args)
     if "kv" in todo:
         log("KV cache formats: " + args.kv_cache_dtypes)

@@ -1,7 +1,9 @@
 """Paged attention in PyTorch: K/V live in one block pool and are read through block tables."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -12,6 +14,25 @@ from pagedserve.model.kv_cache_dtype import LayerKVCache
 from pagedserve.model.kv_int4 import KeyWritePlan
 
 KERNEL_HEAD_DIMS = (64, 128)  # what the C++ attention kernels are built for; other sizes take the PyTorch path
+# The C++ prefill kernel's paths (csrc/prefill_attention.cpp), fastest last; `amx-emulated` runs the amx path's code
+# over tiles emulated in C++ (tests only), `torch` is the PyTorch path (SDPA per span).
+PREFILL_PATHS = {"portable": 1, "avx512": 2, "amx": 3, "amx-emulated": 4}
+PREFILL_PREFERENCE = ("torch", "portable", "avx512", "amx")
+
+
+@cache
+def prefill_attention_path() -> str:
+    """The prefill attention path this CPU runs best, or PAGEDSERVE_PREFILL_ATTENTION when set (an unavailable one
+    is an error): amx on AMX CPUs, avx512 with AVX-512 BF16, portable (fp32 multiply-adds) elsewhere."""
+    kernels = cpu_kernels()
+    built = [] if kernels is None else [n for n, c in PREFILL_PATHS.items() if c in kernels.prefill_attention_paths()]
+    available = ["torch", *built]
+    wanted = os.environ.get("PAGEDSERVE_PREFILL_ATTENTION", "auto")
+    if wanted == "auto":
+        return max((n for n in available if n in PREFILL_PREFERENCE), key=PREFILL_PREFERENCE.index)
+    if wanted not in available:
+        raise RuntimeError(f"PAGEDSERVE_PREFILL_ATTENTION={wanted} is not available on this CPU (have: {available})")
+    return wanted
 
 
 @dataclass(slots=True)
@@ -48,11 +69,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decode_attention(q[:nd], cache, meta, block_size, scale)
-    if (fused is not None and meta.prefill_spans is not None and q.shape[-1] in KERNEL_HEAD_DIMS
-            and fused.prefill_attention_available()):
+    path = prefill_attention_path() if fused is not None else "torch"
+    if path != "torch" and meta.prefill_spans is not None and q.shape[-1] in KERNEL_HEAD_DIMS:
         # Every span in one call, reading the pool this step's keys were just written to.
         fused.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.prefill_spans,
-                                meta.prefill_tables, block_size, scale, out, cache.k_tail, cache.tail_of_block)
+                                meta.prefill_tables, block_size, scale, out, cache.k_tail, cache.tail_of_block,
+                                PREFILL_PATHS[path])
         return out
     for p in meta.prefills:
         rows = slice(p.start, p.start + p.num_tokens)

@@ -12,7 +12,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "vec_math.h"
+
 namespace pagedserve_amx {
+
+using ::transpose16;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -40,31 +44,6 @@ inline void configure_tiles() {
     cfg.rows[t] = 16;
   }
   _tile_loadconfig(&cfg);
-}
-
-// 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i].
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + c], 128-bit lane L: column 4L + c of rows i..i+3
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x_even = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i x_odd = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512i y_even = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i y_odd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    r[c] = _mm512_shuffle_i32x4(x_even, y_even, _MM_SHUFFLE(2, 0, 2, 0));
-    r[8 + c] = _mm512_shuffle_i32x4(x_even, y_even, _MM_SHUFFLE(3, 1, 3, 1));
-    r[4 + c] = _mm512_shuffle_i32x4(x_odd, y_odd, _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + c] = _mm512_shuffle_i32x4(x_odd, y_odd, _MM_SHUFFLE(3, 1, 3, 1));
-  }
 }
 
 // c[weight row][activation row] (32 x 32) into y rows (+ residual), bf16: transposed in registers 16 x 16

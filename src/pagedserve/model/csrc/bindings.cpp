@@ -8,11 +8,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_tail") = py::none(),
         py::arg("tail_of_block") = py::none());
-  m.def("prefill_attention_available", &prefill_attention_available, "whether this CPU build has prefill_attention");
+  m.def("prefill_attention_paths", &prefill_attention_paths,
+        "prefill attention paths built for this CPU (1 portable, 2 AVX-512 BF16, 3 AMX, 4 AMX emulated)");
   m.def("prefill_attention", &prefill_attention, "causal bf16 attention of all prefill spans over the paged KV pool",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("spans"),
         py::arg("block_tables"), py::arg("block_size"), py::arg("scale"), py::arg("out"),
-        py::arg("k_tail") = py::none(), py::arg("tail_of_block") = py::none());
+        py::arg("k_tail") = py::none(), py::arg("tail_of_block") = py::none(), py::arg("path") = -1);
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] bf16 projection");
   m.def("quant_paths", &quant_paths, "quantized-matmul paths built for this CPU (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");

@@ -35,11 +35,11 @@ bool quant_w8a8_available();
 torch::Tensor quant_linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t hadamard,
                                 c10::optional<torch::Tensor> residual);
 
-bool prefill_attention_available();
+std::vector<int64_t> prefill_attention_paths();
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, torch::Tensor spans,
                        torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out,
-                       c10::optional<torch::Tensor> k_tail, c10::optional<torch::Tensor> tail_of_block);
+                       c10::optional<torch::Tensor> k_tail, c10::optional<torch::Tensor> tail_of_block, int64_t path);
 
 void lora_sgmv(torch::Tensor y, torch::Tensor x, torch::Tensor index, torch::Tensor seg_starts, torch::Tensor seg_slots,
                torch::Tensor a, torch::Tensor b);

@@ -10,10 +10,9 @@
 // infinities. exp(kNegative - x) underflows to 0, so a first chunk's correction factor is exactly 0.
 constexpr float kNegative = -1e30f;
 
-// exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) as 2^n * p(f), |f| <= 1/2, with a
-// degree-6 polynomial for 2^f (relative error ~2e-7). Scalar expf per score was a third of decode attention.
-static inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504089f));
+// 2^t for t <= 0 as 2^n * p(f), |f| <= 1/2, with a degree-6 polynomial for 2^f (relative error ~2e-7).
+static inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-125.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.535336188e-4f);
@@ -24,6 +23,12 @@ static inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e). Scalar expf per score was a third of decode
+// attention.
+static inline __m512 exp_nonpositive(__m512 x) {
+  return exp2_nonpositive(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504089f)));
 }
 
 // 16 bf16 values widened to fp32 (a shift: bf16 is fp32's top half).
@@ -41,5 +46,30 @@ static inline __m512 hadamard16(__m512 v) {
     v = _mm512_mask_sub_ps(_mm512_add_ps(partner, v), _mm512_test_epi32_mask(lane, bit), partner, v);
   }
   return v;
+}
+
+// 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i].
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c], 128-bit lane L: column 4L + c of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x_even = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i x_odd = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i y_even = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i y_odd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    r[c] = _mm512_shuffle_i32x4(x_even, y_even, _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + c] = _mm512_shuffle_i32x4(x_even, y_even, _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + c] = _mm512_shuffle_i32x4(x_odd, y_odd, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_i32x4(x_odd, y_odd, _MM_SHUFFLE(3, 1, 3, 1));
+  }
 }
 #endif
