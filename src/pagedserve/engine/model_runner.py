@@ -88,10 +88,8 @@ class ModelRunner:
         scratch = [LayerKVCache(scratch_fmt, num_blocks * bs, config.num_key_value_heads, config.head_dim)
                    for _ in range(config.num_hidden_layers)]
         table = list(range(num_blocks))
-        meta = self._metadata([(0, n, [table] * len(self.groups))], 0)
-        if isinstance(meta, AttentionMetadata) and self.tails is not None:
-            meta.key_plan = None  # the scratch cache is in the model dtype: no int4 key tails (give back those planned)
-            self.tails.release(table)
+        # The scratch cache is in the model dtype: no int4 key tails to plan (its blocks are not the pool's).
+        meta = self._metadata([(0, n, [table] * len(self.groups))], 0, plan_tails=False)
         self.model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n, dtype=torch.long), scratch, meta, bs)
         for layer, s in zip(self.kv_caches, scratch):
             if self.kv_format.int4:
@@ -127,15 +125,15 @@ class ModelRunner:
                            self._metadata(rows, len(decodes)), sample_rows, sample_reqs, prompt_rows,
                            self.lora_slots.batch(list(lora_rows.values())) if lora_rows else None)
 
-    def _metadata(self, rows: list[tuple[int, int, list[list[int]]]],
-                  num_decodes: int) -> AttentionMetadata | HybridMetadata:
+    def _metadata(self, rows: list[tuple[int, int, list[list[int]]]], num_decodes: int,
+                  plan_tails: bool = True) -> AttentionMetadata | HybridMetadata:
         """rows: (first position, tokens, tables per group) per request, decodes first."""
-        metas = [self._group_metadata([(first, n, tables[g]) for first, n, tables in rows], num_decodes, group)
-                 for g, group in enumerate(self.groups)]
+        metas = [self._group_metadata([(first, n, tables[g]) for first, n, tables in rows], num_decodes, group,
+                                      plan_tails) for g, group in enumerate(self.groups)]
         return metas[0] if len(metas) == 1 else HybridMetadata(metas, self.group_of_layer)
 
-    def _group_metadata(self, rows: list[tuple[int, int, list[int]]], num_decodes: int,
-                        group: KVCacheGroup) -> AttentionMetadata | WindowMetadata:
+    def _group_metadata(self, rows: list[tuple[int, int, list[int]]], num_decodes: int, group: KVCacheGroup,
+                        plan_tails: bool) -> AttentionMetadata | WindowMetadata:
         bs = self.block_size
         slots = [table[p // bs] * bs + p % bs for first, n, table in rows for p in range(first, first + n)]
         if group.window is not None:
@@ -147,7 +145,7 @@ class ModelRunner:
             start += n
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), num_decodes,
                                  *self._decode_tables(rows[:num_decodes]), spans, self.use_kernel)
-        if self.tails is not None:
+        if self.tails is not None and plan_tails:
             meta.key_plan = self.tails.plan(slots)
         if spans:
             meta.prefill_spans = torch.tensor([[p.start, p.num_tokens, p.context_len] for p in spans], dtype=torch.long)
