@@ -40,9 +40,11 @@ from tests.client_support import (
 )
 from tests.server_support import ServerProcess
 
+# Third-party clients end to end against a server, a router and a gateway: minutes, so behind make test-all.
+pytestmark = pytest.mark.slow
+
 MC, PPL, GEN = "pagedserve_compat_mc", "pagedserve_compat_ppl", "pagedserve_compat_gen"
-# The server alone runs in `make test`; through a router and a gateway with the slow end-to-end tests.
-TIERS = ["server", pytest.param("router", marks=pytest.mark.slow), pytest.param("gateway", marks=pytest.mark.slow)]
+TIERS = ["server", "router", "gateway"]
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 

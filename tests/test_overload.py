@@ -13,6 +13,9 @@ import pytest
 from tests.polling import wait_for
 from tests.server_support import ServerProcess
 
+# Load and drain runs against real servers: minutes, so behind make test-all.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def add(a, b):", "1, 2, 3, 4,",
            "Once upon a time", "The best way to learn a language is"]
 MAX_TOKENS = 32

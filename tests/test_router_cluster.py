@@ -26,6 +26,9 @@ from router_support import (
 
 from pagedserve.cluster.launcher import LocalCluster
 
+# Clusters of several replica processes: behind make test-all.
+pytestmark = pytest.mark.slow
+
 MODEL = "SmolLM2-135M-Instruct"
 
 TENANTS = {

@@ -25,6 +25,9 @@ from router_support import (
 from pagedserve.cluster.cluster_config import ClusterConfig
 from pagedserve.cluster.launcher import LocalCluster
 
+# Clusters of several replica processes under hostile clients: behind make test-all.
+pytestmark = pytest.mark.slow
+
 MODEL = "SmolLM2-135M-Instruct"
 BODY = {"model": MODEL, "prompt": "Where does my data live?", "max_tokens": 1}
 RAW_BODY = b'{"model": "%s", "prompt": "Where does my data live?", "max_tokens": 1}' % MODEL.encode()

@@ -69,6 +69,7 @@ def fuzz_operation(url: str, operation, mode: GenerationMode, tally: Tally) -> N
         assert mode is GenerationMode.NEGATIVE
 
 
+@pytest.mark.slow  # long fuzzing
 def test_schema_fuzzing_finds_no_server_error_and_no_schema_violation(server):
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     tally = Tally()
