@@ -342,6 +342,13 @@ def test_router_sends_a_continuation_to_the_replica_that_holds_it(server, tmp_pa
             with pytest.raises(openai.NotFoundError) as exc:
                 routed.responses.create(model=MODEL, input="Hi", previous_response_id=missing, max_output_tokens=4)
             assert exc.value.body["param"] == "previous_response_id" and why in exc.value.body["message"]
+        # GET and DELETE of a stored response go to its holder too; an id that is not one of ours is a 404 there.
+        kept = routed.responses.with_raw_response.retrieve(first_id)
+        assert kept.headers["x-pagedserve-replica"] == holder and kept.parse().id == first_id
+        assert routed.responses.delete(first_id) is None
+        for gone in (first_id, f"resp_{'0' * 32}", f"resp_{tag('gone')}_{'0' * 32}", "resp_..%2f..%2fhealth"):
+            with pytest.raises(openai.NotFoundError):
+                routed.responses.retrieve(gone)
 
 
 def test_gateway_forwards_responses_with_keys_usage_and_traces(server, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from contextlib import asynccontextmanager
 
 import httpx
@@ -24,7 +25,7 @@ from pagedserve.cluster.ui.console import mount_console
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.peer_auth import HEADER as PEER_HEADER
 from pagedserve.server.peer_auth import PeerKey
-from pagedserve.server.responses_protocol import REPLICA_TAG_HEADER
+from pagedserve.server.responses_protocol import REPLICA_TAG_HEADER, RESPONSE_ID_PATTERN, replica_tag_of
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,28 @@ def create_app(config: ClusterConfig, peer_key: PeerKey | None = None) -> FastAP
     for endpoint in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
                      "/detokenize"):
         app.add_api_route(endpoint, _proxy_handler(endpoint), methods=["POST"], include_in_schema=False)
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"],
+                      include_in_schema=False)
     return app
+
+
+async def stored_response(request: Request, response_id: str) -> Response:
+    """GET / DELETE of a stored response: at the replica whose tag its id carries (the only one holding it)."""
+    router: Router = request.app.state.router
+    # The id becomes part of a replica's URL; one without a replica's tag was not made through this router.
+    if not re.fullmatch(RESPONSE_ID_PATTERN, response_id) or replica_tag_of(response_id) is None:
+        return error_response(404, f"Response with id '{response_id[:200]}' not found.", "response_id",
+                              "response_not_found")
+    headers = request.headers
+    passed = [(k, v) for k, v in headers.raw if k.lower() not in DROPPED_HEADERS]
+    fwd = Forward("/v1/responses", b"", passed, RoutingRequest(prefix_key="", session=None, est_tokens=1),
+                  False, client_input.residency(headers, router.config.residency_header),
+                  client_input.client_region(headers, router.config.client_region_header), None,
+                  path=f"/v1/responses/{response_id}", previous_response=response_id, method=request.method)
+    try:
+        return await forward(router, fwd)
+    except Refusal as exc:
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
 
 
 def _proxy_handler(endpoint: str):

@@ -58,6 +58,7 @@ class Forward:
     model: str | None
     path: str = ""  # where the replicas get it, when not at endpoint (a worker's peer route, signed)
     previous_response: str | None = None  # /v1/responses: the stored response it continues (on one replica)
+    method: str = "POST"  # GET and DELETE of a stored response
 
 
 @dataclass(slots=True)
@@ -149,6 +150,9 @@ async def _to_holder(router: Router, fwd: Forward) -> Response:
     holder = next((r for r in router.replicas if r.tag == replica_tag_of(response_id)), None)
     why = _unreachable(holder, fwd.residency)
     if why is not None:
+        if fwd.method != "POST":  # GET or DELETE of the stored response itself
+            return error_response(404, f"Response with id '{response_id}' not found: {why}.", "response_id",
+                                  "response_not_found")
         return error_response(404, f"Previous response with id '{response_id}' not found: {why}. Stored responses "
                                    "live in the memory of the replica that made them; send the conversation as input "
                                    "instead.", "previous_response_id", "previous_response_not_found")
@@ -220,7 +224,7 @@ async def _exchange(client: httpx.AsyncClient, url: str, fwd: Forward,
                     timeout: httpx.Timeout) -> tuple[httpx.Response, AsyncIterator[bytes] | None, bytes]:
     """Sends the request and reads the answer's first part: (the response, the rest of its stream or None when
     it is a plain body, the whole plain body or the stream's first chunk)."""
-    upstream = await client.send(client.build_request("POST", url, content=fwd.body, headers=fwd.headers,
+    upstream = await client.send(client.build_request(fwd.method, url, content=fwd.body or None, headers=fwd.headers,
                                                       timeout=timeout), stream=True)
     try:
         if upstream.status_code != 200 or not _is_event_stream(upstream):

@@ -15,7 +15,8 @@ from pagedserve.server.protocol import OrDefault, Seed, StrictModel, Text, ignor
 # the ids of the responses it makes, so that a later previous_response_id is routed back to it.
 REPLICA_TAG_HEADER = "x-pagedserve-replica-tag"
 REPLICA_TAG_PATTERN = r"[0-9a-f]{8}"
-ResponseId = Annotated[str, Field(pattern=r"^resp_[A-Za-z0-9_-]{1,128}$")]
+RESPONSE_ID_PATTERN = r"resp_[A-Za-z0-9_-]{1,128}"
+ResponseId = Annotated[str, Field(pattern=f"^{RESPONSE_ID_PATTERN}$")]
 
 
 def new_response_id(replica_tag: str | None) -> str:
