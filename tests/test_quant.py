@@ -38,11 +38,23 @@ def gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[Quantize
     return from_gguf(raw, type_name, (n, k)), gguf.quants.dequantize(raw, qtype)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize(("n", "k"), [(1, 256), (7, 512), (33, 768)])
 def test_gguf_blocks_convert_without_loss(type_name, n, k):
     ours, theirs = gguf_weight(type_name, n, k)
     assert ours.shape == (n, k)
+    assert torch.equal(ours.dequantize(), torch.from_numpy(theirs.astype(np.float32)))
+
+
+def test_q5_0_every_bit_pattern_converts_without_loss():
+    """Random bytes (every high-bit and nibble pattern; the quantizer's outputs cover fewer) with finite scales."""
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (6, 512 // 32, 22), dtype=np.uint8)
+    raw[..., 0:2] = (rng.standard_normal((6, 512 // 32, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(6, -1)
+    ours = from_gguf(raw, "Q5_0", (6, 512))
+    assert ours.bits == 8 and ours.scales.dtype == torch.float16 and ours.levels().abs().max() == 16
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
     assert torch.equal(ours.dequantize(), torch.from_numpy(theirs.astype(np.float32)))
 
 
@@ -128,6 +140,7 @@ def integer_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 WEIGHTS = {
     "Q4_0": lambda n, k: gguf_weight("Q4_0", n, k)[0],
     "Q4_1": lambda n, k: gguf_weight("Q4_1", n, k)[0],
+    "Q5_0": lambda n, k: gguf_weight("Q5_0", n, k)[0],
     "Q8_0": lambda n, k: gguf_weight("Q8_0", n, k)[0],
     "Q4_K": lambda n, k: gguf_weight("Q4_K", n, k)[0],
     "Q6_K": lambda n, k: gguf_weight("Q6_K", n, k)[0],

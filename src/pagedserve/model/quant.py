@@ -21,7 +21,10 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")  # auto: quant_linear.r
 GGUF_BLOCK = 32
 K_BLOCK = 256  # the K-quants' super-block
 # GGUF type name -> (bytes per block, weights per block): the types that run as stored.
-GGUF_TYPES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+# Q5_1 and Q5_K (5 bits with a minimum) would need 8-bit groups with mins, which the kernels do not read: they load
+# dequantized, as any other type does.
+GGUF_TYPES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
+              "Q6_K": (210, 256)}
 
 
 @dataclass
@@ -81,7 +84,8 @@ class QuantizedWeight:
 def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
     """A GGUF tensor's raw blocks ([rows, bytes] uint8, as gguf.GGUFReader gives them) in planar layout, without
     loss: Q4_0 / Q4_1 / Q4_K as 4 bits in groups of 32 (a K-quant's 6-bit sub-block scales times its fp16
-    super-block scale are exact in fp32), Q8_0 as 8 bits in groups of 32, Q6_K as 8 bits in groups of 16."""
+    super-block scale are exact in fp32), Q8_0 and Q5_0 (q - 16) as 8 bits in groups of 32, Q6_K as 8 bits in
+    groups of 16."""
     if type_name not in GGUF_TYPES:
         raise ValueError(f"GGUF type {type_name} does not run as stored (supported: {', '.join(GGUF_TYPES)})")
     block_bytes, block = GGUF_TYPES[type_name]
@@ -98,9 +102,10 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
                                16, type_name)
     # Their scales stay fp16, as stored: 2 bytes a block fewer to stream than fp32, and no value changes.
     scales = blocks[:, 0:2].copy().view(np.float16)[:, 0].reshape(n, -1)
-    if type_name == "Q8_0":
-        q = blocks[:, 2:].copy().view(np.int8).reshape(n, k)
-        return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(scales), None, 8, GGUF_BLOCK, type_name)
+    if type_name in ("Q8_0", "Q5_0"):
+        q = blocks[:, 2:].copy().view(np.int8) if type_name == "Q8_0" else _q5_0(blocks)
+        return QuantizedWeight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales), None, 8, GGUF_BLOCK,
+                               type_name)
     if type_name == "Q4_1":
         mins = blocks[:, 2:4].copy().view(np.float16)[:, 0].reshape(n, -1)
         payload = blocks[:, 4:]
@@ -112,6 +117,16 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
             scales = scales.astype(np.float32)
     return QuantizedWeight(torch.from_numpy(payload.reshape(n, k // 2).copy()), torch.from_numpy(scales),
                            torch.from_numpy(np.ascontiguousarray(mins)), 4, GGUF_BLOCK, type_name)
+
+
+def _q5_0(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles) -> q - 16 as int8 [blocks, 32], in k order:
+    element j's low nibble is byte j % 16's low (j < 16) or high half, its fifth bit is bit j of the high bits."""
+    high = blocks[:, 2:6].copy().view("<u4")  # [blocks, 1]
+    bit4 = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    low = blocks[:, 6:22]
+    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=1)
+    return (nibbles | bit4).astype(np.int8) - 16
 
 
 def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
