@@ -62,6 +62,7 @@ def test_prompt_logprobs_match_transformers_fp32(engine_args, windows, reference
     assert max(abs(a - b) for a, b in zip(again, ours, strict=True)) < 1e-4
 
 
+@pytest.mark.slow  # scores 800 positions in two dtypes
 def test_bf16_quality_bound(windows, reference):
     ours, top1 = scored(LLM(dtype="bfloat16", kv_cache_memory="64MiB"), windows)
     hf_bf16 = load("bfloat16")

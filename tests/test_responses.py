@@ -317,6 +317,7 @@ def tag(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:8]
 
 
+@pytest.mark.slow  # a router process
 def test_router_sends_a_continuation_to_the_replica_that_holds_it(server, tmp_path):
     """Two replica entries over the one server (so either could answer) and round robin: the turn that names a
     stored response still goes to the entry whose tag its id carries. A replica that is down, or unknown, is a 404."""
@@ -351,6 +352,7 @@ def test_router_sends_a_continuation_to_the_replica_that_holds_it(server, tmp_pa
                 routed.responses.retrieve(gone)
 
 
+@pytest.mark.slow  # a gateway process
 def test_gateway_forwards_responses_with_keys_usage_and_traces(server, tmp_path):
     admin = "admin-secret"
     config = {"cache": {"enabled": False}, "key_defaults": {"rpm": 600},

@@ -14,6 +14,8 @@ from router_support import REPLICA_ARGS, RouterProcess, metric_sum, served_by, w
 from pagedserve.cluster.launcher import LocalCluster
 from tests.lora_support import load_adapter, make_adapters
 
+pytestmark = pytest.mark.slow  # router processes over replica processes: behind make test-all
+
 MODEL = "SmolLM2-135M-Instruct"
 
 

@@ -243,6 +243,7 @@ def test_models_tokenize_health(client, server, reference):
 
 # ---- concurrency and disconnects ----
 
+@pytest.mark.slow  # a load run
 def test_fifty_concurrent_streams(server, reference):
     prompts = [f"Fact number {i} about the ocean:" for i in range(10)]
     expected = {p: greedy(reference, p, 12).outputs[0].text for p in prompts}

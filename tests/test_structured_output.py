@@ -92,6 +92,7 @@ def test_seeds_stop_strings_and_length(llm):
         json.loads(short.text)
 
 
+@pytest.mark.slow  # three engines over the same batch
 def test_preemption_and_prefix_hits_give_the_same_outputs():
     """A pool so small that the batch preempts, and a second pass served from the prefix cache, produce the
     same constrained outputs as a roomy pool."""
