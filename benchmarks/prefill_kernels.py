@@ -422,7 +422,7 @@ def cmd_itl(args: argparse.Namespace) -> None:
             for i in range(args.decodes):
                 s = base + i * 151
                 engine.add_request(f"d{rep}-{i}", tokens[s:s + 128],
-                                   SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+                                   SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True))
             while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
                     engine.scheduler.waiting:
                 engine.step()
