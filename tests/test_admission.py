@@ -409,3 +409,59 @@ def test_standard_work_is_shed_only_while_the_door_refuses_and_only_if_not_start
     assert not ctl.should_shed(queued)  # the refusals are old news
     ctl.started(queued)
     assert not ctl.should_shed(queued)
+
+
+def simulate(users: int | None, arrivals_per_step: int, steps: int, seats: int | None = 64) -> AdmissionController:
+    """A stepped engine with `seats` seats that starts at most 4 waiting 512-token prompts per 0.7 s step (a
+    2,048-token budget) and decodes each answer for 20 steps. users: a closed loop of that many (each sends
+    again when its answer ends); None: an open loop of arrivals_per_step new requests every step."""
+    clock, waiting, running = Clock(), [], []  # waiting: tickets; running: [ticket, steps left]
+    ctl = AdmissionController(AdmissionConfig(max_queued_tokens=93_200, ttft_slo=2.0, seats=seats), clock,
+                              lambda: bool(waiting), lambda: len(waiting))
+
+    def arrive() -> None:
+        try:
+            waiting.append(ctl.admit(STANDARD, 512 + 128))
+        except Rejected:
+            pass
+
+    for _ in range(users or 0):
+        arrive()
+    for _ in range(steps):
+        for _ in range(arrivals_per_step if users is None else 0):
+            arrive()
+        started = [waiting.pop(0) for _ in range(min(4, len(waiting), 64 - len(running)))]
+        clock.now += 0.7
+        for entry in running:
+            entry[1] -= 1
+        for ticket in [t for t, left in running if left == 0]:
+            ctl.finished(ticket)
+            if users:
+                arrive()
+        running[:] = [e for e in running if e[1] > 0]
+        for ticket in started:
+            ctl.started(ticket)
+            running.append([ticket, 20])
+        for ticket in [t for t in waiting if ctl.should_shed(t)]:
+            waiting.remove(ticket)
+            ctl.shed(ticket)
+            ctl.finished(ticket)
+    return ctl
+
+
+def test_a_closed_loop_within_the_seats_is_queued_not_refused_however_long_its_ttft():
+    # 64 users arrive at once: the last of them waits 16 steps (11 s, 5x the target) for its turn in the
+    # token budget, yet every one of them has a seat: queued and served, none refused (issue #38).
+    ctl = simulate(users=64, arrivals_per_step=0, steps=300)
+    assert ctl.rejected == {} and ctl.admitted["standard"] > 400
+    assert sum(simulate(users=64, arrivals_per_step=0, steps=300, seats=None).rejected.values()) > 0  # the rule's work
+
+
+def test_an_open_loop_past_the_seats_is_still_refused():
+    # 8 new requests per step against a capacity of 64 seats / 20 steps = 3.2: past the seats the time
+    # rules refuse at the door or shed what waited too long, as they do without the seat rule.
+    with_seats, without = simulate(None, 8, 120), simulate(None, 8, 120, seats=None)
+    for ctl in (with_seats, without):
+        refused = sum(ctl.rejected.values())
+        assert refused > 8 * 120 / 2 and ctl.in_flight_seqs <= 64 + 2 * 8
+    assert abs(sum(with_seats.rejected.values()) - sum(without.rejected.values())) < 8 * 120 / 10

@@ -6,7 +6,11 @@ request count) always apply. Everything else refuses only where there is a real 
 requests it cannot start yet (at its seat, KV or token-budget limit). A ticket the engine is already
 prefilling is being served, not queued: refusing newcomers cannot make its first token come sooner, it
 only sends clients away from a server that would have served them (a closed loop of 16 users, issue
-#38, got thousands of 429s from a server with seats and KV to spare).
+#38, got thousands of 429s from a server with seats and KV to spare). Likewise a request that finds a free
+seat (in-flight sequences, its own included, within the engine's `seats`) is never refused for time: the
+engine runs everything it holds in one batch, so it waits only for its turn in the token budget, which
+refusing it cannot shorten (everyone ahead is already seated); a closed loop of up to `seats` users is
+therefore queued and served. Only a request that would wait for a seat meets the time rules below.
 
 While the engine is backlogged, the token bound adapts: the rate at which the queue drains (cost tokens
 started per second while backlogged) times the TTFT target gives the queue that can be served in time,
@@ -90,6 +94,7 @@ class AdmissionConfig:
     enabled: bool = True  # off: an unbounded FCFS queue, priorities ignored
     max_queued_tokens: int = 16384  # hard bound on the queue in cost tokens
     max_queued_requests: int = 256
+    seats: int | None = None  # the engine's max_num_seqs: within it the time rules never refuse (None: no seat rule)
     ttft_slo: float = 2.0  # seconds; the adaptive bound aims the queue wait at it
     # The adaptive token bound refuses only past this many times the queue that drains within the target.
     margin: float = 1.5
@@ -130,6 +135,7 @@ class Ticket:
     cls: str
     cost: int
     admitted_at: float
+    seqs: int = 1  # sequences (prompts x n): the engine seats they take
     shed_at: float | None = None  # not started by then: shed
     started: bool = False
     done: bool = False
@@ -165,6 +171,7 @@ class AdmissionController:
         self.queued: dict[str, dict[int, Ticket]] = {c: {} for c in CLASSES}  # admission order: oldest first
         self._keys = itertools.count()
         self.in_flight = 0
+        self.in_flight_seqs = 0
         self.draining = False
         self.rate: float | None = None  # cost tokens started per second while saturated
         self.gain = 1.0
@@ -235,27 +242,32 @@ class AdmissionController:
 
     # ---- the door ----
 
-    def admit(self, priority: int, cost: int, deadline_s: float | None = None) -> Ticket:
-        """A ticket for the request, or Rejected. Always admits into an empty queue ahead."""
+    def admit(self, priority: int, cost: int, deadline_s: float | None = None, seqs: int = 1) -> Ticket:
+        """A ticket for the request of `seqs` sequences, or Rejected. Always admits into an empty queue ahead."""
         cls = priority_class(priority) if self.config.enabled else "standard"
         self._tick()
         if self.draining:
             self._reject(cls, 503, "draining", "the server is draining for shutdown; retry on another replica",
                          cost, sum(self.queued_tokens.values()))
         if self.config.enabled:
-            self._check_bounds(cls, cost, deadline_s)
+            self._check_bounds(cls, cost, deadline_s, seqs)
         now = self.clock()
         shed_after = self.config.shed_after.get(cls) if self.config.enabled else None
-        ticket = Ticket(cls, cost, now, None if shed_after is None else now + shed_after * self.config.ttft_slo,
+        ticket = Ticket(cls, cost, now, seqs, None if shed_after is None else now + shed_after * self.config.ttft_slo,
                         key=next(self._keys))
         ticket.behind_backlog = self.config.enabled and self.backlogged()
         self.queued_tokens[cls] += cost
         self.queued[cls][ticket.key] = ticket
         self.in_flight += 1
+        self.in_flight_seqs += seqs
         self.admitted[cls] += 1
         return ticket
 
-    def _check_bounds(self, cls: str, cost: int, deadline_s: float | None) -> None:
+    def seated(self, seqs: int) -> bool:
+        """Whether a request of `seqs` sequences finds free seats beside everything in flight."""
+        return self.config.seats is not None and self.in_flight_seqs + seqs <= self.config.seats
+
+    def _check_bounds(self, cls: str, cost: int, deadline_s: float | None, seqs: int) -> None:
         tokens, requests, oldest_wait = self.ahead(cls)
         if tokens == 0:
             return
@@ -267,7 +279,7 @@ class AdmissionController:
                          f"(cost {cost}) against a bound of {int(hard)}", cost, tokens + cost - hard)
         if requests + 1 > share * self.config.max_queued_requests:
             self._reject(cls, 429, "queue_full", f"the {cls} queue holds {requests} requests, its bound", cost, tokens)
-        backlogged = self.backlogged()
+        backlogged = self.backlogged() and not self.seated(seqs)
         if backlogged and oldest_wait > share * self.config.ttft_slo:
             self._reject(cls, 429, "overloaded", f"server overloaded: the oldest request queued ahead of this "
                          f"{cls} request has waited {oldest_wait:.1f}s", cost, tokens)
@@ -320,6 +332,7 @@ class AdmissionController:
             self._dequeue(ticket)
         ticket.done = True
         self.in_flight -= 1
+        self.in_flight_seqs -= ticket.seqs
         self._tick()
 
     def should_shed(self, ticket: Ticket) -> bool:

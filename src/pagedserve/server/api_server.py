@@ -81,7 +81,7 @@ def admission_config(args: argparse.Namespace, engine: AsyncLLM) -> AdmissionCon
         logger.warning("--max-queued-tokens %d is below max_model_len %d: a request without max_tokens may need "
                        "more than that and is refused", bound, engine.max_model_len)
     return AdmissionConfig(enabled=args.admission_control == "on", max_queued_tokens=bound,
-                           max_queued_requests=args.max_queued_requests, ttft_slo=args.ttft_slo,
+                           max_queued_requests=args.max_queued_requests, seats=engine.max_num_seqs, ttft_slo=args.ttft_slo,
                            degrade_at=args.degrade_at, degrade=degrade, shed_after=shed_after)
 
 

@@ -234,7 +234,7 @@ def _admit(state: ServerState, ctx: RequestContext, prompt_ids: list[list[int]],
     max_len = state.engine.max_model_len
     cost = params.n * sum(len(ids) + max(0, params.max_tokens or max_len - len(ids)) for ids in prompt_ids)
     try:
-        return state.admission.admit(ctx.priority, cost, ctx.timeout)
+        return state.admission.admit(ctx.priority, cost, ctx.timeout, len(prompt_ids) * params.n)
     except Rejected as exc:
         raise _refusal(exc) from exc
 
