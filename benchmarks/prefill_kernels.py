@@ -7,7 +7,7 @@ long prefill. Pure measurement; nothing imports it.
   python benchmarks/prefill_kernels.py gemm       [--rows 256,512,1024,2048] [--quantization none,gguf,int8]
   python benchmarks/prefill_kernels.py attention  [--tokens 256,1024,2048] [--kv-cache-dtypes bfloat16,int8,...]
   python benchmarks/prefill_kernels.py throughput [--workloads 1024x32,256x128] [--quantization auto]
-  python benchmarks/prefill_kernels.py itl        [--chunks 256,512,1024,2048] [--decodes 16]
+  python benchmarks/prefill_kernels.py itl        [--chunks 256,512,1024,2048 | --caps 0,128,256,512] [--decodes 16]
 
 Timings on a shared machine are noisy: every figure is a median over repeats, with its min-max.
 """
@@ -405,16 +405,20 @@ def cmd_throughput(args: argparse.Namespace) -> None:
 
 def cmd_itl(args: argparse.Namespace) -> None:
     """`decodes` requests decoding, then one prompt of `prompt` tokens arrives; per token budget
-    (max_num_batched_tokens): the decodes' inter-token latency while the prompt is prefilled (max and mean step
-    time of the steps carrying a prefill chunk), the steps without one, and the prompt's TTFT."""
+    (max_num_batched_tokens), or with --caps per cap on prefill beside decodes at the given budget
+    (max_prefill_tokens_beside_decodes, 0 = off): the decodes' inter-token latency while the prompt is prefilled
+    (max and mean step time of the steps carrying a prefill chunk), the steps without one, and the prompt's TTFT."""
     from pagedserve.sampling_params import SamplingParams
 
     print(f"threads {torch.get_num_threads()}; {args.decodes} decoding requests (128-token prompts) + one "
           f"{args.prompt}-token prompt; ms, median (min-max) of {args.repeats}")
-    print("| token budget | steps with prefill | ITL during prefill: max | mean | ITL decode only | TTFT of the long prompt |")
+    rows = [(int(c), {"max_prefill_tokens_beside_decodes": int(c) or None}) for c in args.caps.split(",")] \
+        if args.caps else [(int(c), {"max_num_batched_tokens": int(c)}) for c in args.chunks.split(",")]
+    print(f"| {'prefill cap beside decodes' if args.caps else 'token budget'} | steps with prefill | ITL during "
+          "prefill: max | mean | ITL decode only | TTFT of the long prompt |")
     print("|---|---|---|---|---|---|")
-    for budget in [int(c) for c in args.chunks.split(",")]:
-        engine = make_engine(args, max_num_batched_tokens=budget)
+    for budget, over in rows:
+        engine = make_engine(args, **over)
         tokens = corpus(engine)
         worst, mean, plain, ttft, nsteps = [], [], [], [], []
         for rep in range(args.repeats + 1):
@@ -477,6 +481,8 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--workloads", default="1024x32,256x128")
     p.add_argument("--chunks", default="256,512,1024,2048")
+    p.add_argument("--caps", default="", help="itl: caps on prefill beside decodes to compare (0 = off), at "
+                   "--max-num-batched-tokens; replaces --chunks")
     p.add_argument("--decodes", type=int, default=16)
     p.add_argument("--prompt", type=int, default=1024)
     args = p.parse_args()

@@ -6,6 +6,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 # model/kv_cache_dtype.py's formats, listed here so that --help needs no torch import
+# `serve`'s default cap on prefill beside decodes: a 16-decode step then takes <= 228 ms on 2 Zen 4 cores
+# where a whole 1,024-token prompt took 736 ms, for 23% more TTFT (docs/benchmarks.md, "Decode ITL beside a
+# long prefill").
+SERVE_PREFILL_BESIDE_DECODES = 256
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 
@@ -21,6 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prefill tokens in a step that also carries decodes (None: the whole budget). Offline LLM(...) runs
+    # for throughput and leaves it off; `serve` caps it (SERVE_PREFILL_BESIDE_DECODES) for the decodes' ITL.
+    max_prefill_tokens_beside_decodes: int | None = None
     enable_prefix_caching: bool = True
     preemption_protect_after: int = 3  # a request preempted this often is preempted last
     priority_preemption_delay: float = 0.5  # seconds a more important request waits before it preempts
@@ -76,6 +83,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step (prefill chunks and decodes together)")
+    g.add_argument("--max-prefill-tokens-beside-decodes", type=int, default=d.max_prefill_tokens_beside_decodes,
+                   help="most prompt tokens in a step that also carries decodes (steps without decodes give "
+                        "prefill the whole --max-num-batched-tokens): a smaller cap keeps running streams' "
+                        "inter-token latency low while long prompts arrive, for a longer TTFT; serve: "
+                        f"{SERVE_PREFILL_BESIDE_DECODES}, offline: off; 0 turns it off")
     g.add_argument("--preemption-protect-after", type=int, default=d.preemption_protect_after,
                    help="a request preempted this many times is chosen last as a victim (anti-thrashing)")
     g.add_argument("--priority-preemption-delay", type=float, default=d.priority_preemption_delay,

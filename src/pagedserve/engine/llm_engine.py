@@ -125,7 +125,7 @@ class LLMEngine:
         self.kv_transfer = KVTransfer(self.kv, self.runner)  # leases and imports of KV blocks (disaggregation)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_protect_after, config.priority_preemption_delay,
-                                   config.max_loras)
+                                   config.max_loras, config.max_prefill_tokens_beside_decodes or None)
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size, GrammarLimits.from_config(config))
         self.loras = (LoRAManager(loaded.config, self.dtype, config.max_lora_rank, config.max_cpu_loras)
                       if config.enable_lora else None)

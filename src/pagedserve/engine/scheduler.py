@@ -4,6 +4,11 @@ Each request has num_computed_tokens and a target (num_tokens). Each step hands 
 max_num_batched_tokens across up to max_num_seqs requests: running requests first, in priority
 order, then waiting ones. That one rule gives chunked prefill, prefix caching and mixed batches.
 
+A step that carries decodes may give prefill chunks at most `max_prefill_tokens_beside_decodes` of its
+budget: a step's time grows with its tokens, and every running decode waits for the whole step, so a
+1,024-token prompt in one chunk would stall them all for its prefill (736 ms on 2 cores). Steps without
+decodes still give prefill the whole budget, so a burst of prompts runs at full prefill throughput.
+
 Preemption is by recompute. Victims are chosen by priority first (never a more important request for a
 less important one), then by cost: the fewest computed tokens, which are the cheapest to redo. A request
 already preempted `protect_after` times is taken last, so one unlucky request does not thrash. Two
@@ -33,18 +38,21 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 protect_after: int = 3, priority_preemption_delay: float = 0.5, max_loras: int = 4) -> None:
+                 protect_after: int = 3, priority_preemption_delay: float = 0.5, max_loras: int = 4,
+                 max_prefill_tokens_beside_decodes: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.protect_after = protect_after
         self.priority_preemption_delay = priority_preemption_delay
         self.max_loras = max_loras
+        self.max_prefill_tokens_beside_decodes = max_prefill_tokens_beside_decodes
         self.waiting: list[tuple[int, float, int, Request]] = []  # heap: (priority, arrival, tiebreak, req)
         self.running: list[Request] = []
         self.preemptions: dict[str, int] = {"kv_pressure": 0, "priority": 0}
         self._tiebreak = itertools.count()
         self._budget = 0  # tokens left in the step being scheduled
+        self._prefill_budget = 0  # of which prefill chunks may still take
 
     @property
     def num_preemptions(self) -> int:
@@ -71,18 +79,29 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         self._preempt_for_waiting(out)
+        cap = self.max_prefill_tokens_beside_decodes
+        has_decodes = any(_is_decode(r) for r in self.running)
+        self._prefill_budget = self._budget if cap is None or not has_decodes else cap
         for req in list(self.running):
             if self._budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, self._budget)
+            gap = req.num_tokens - req.num_computed_tokens
+            num_new = self._chunk(req, gap)
+            if gap > 0 and num_new == 0:  # a prefill past this step's prefill share: next step
+                continue
             if self._allocate_or_preempt(req, num_new, out):
                 out.scheduled.append((req, num_new))
                 self._budget -= num_new
+                self._prefill_budget -= 0 if _is_decode(req) else num_new
         if not any(reason == "kv_pressure" for _, reason in out.preempted):
-            self._schedule_waiting(out, self._budget)
+            self._schedule_waiting(out)
         return out
+
+    def _chunk(self, req: Request, gap: int) -> int:
+        """Tokens req gets this step: its gap within the budget, and within the prefill share if a prefill."""
+        return min(gap, self._budget) if _is_decode(req) else min(gap, self._budget, self._prefill_budget)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates req's slots, preempting running requests no more important than req (req itself
@@ -121,15 +140,16 @@ class Scheduler:
             if scheduled is req:
                 del out.scheduled[j]
                 self._budget += n
+                self._prefill_budget += 0 if _is_decode(req) else n
                 break
         self.running.remove(req)
         self.preempt(req, reason)
         out.preempted.append((req, reason))
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
         adapters = {id(r.lora) for r in self.running if r.lora is not None}
         deferred = []  # waiting for an adapter slot (max_loras): passed over, not blocking those behind
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(self._budget, self._prefill_budget) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0][3]
             if req.lora is not None and id(req.lora) not in adapters and len(adapters) >= self.max_loras:
                 deferred.append(heapq.heappop(self.waiting))
@@ -138,7 +158,7 @@ class Scheduler:
                 break  # a deferred adapter has waited long enough: let the running ones drain instead of starving it
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = min(req.num_tokens - num_cached, self._budget, self._prefill_budget)
             if not self.kv.allocate_slots(req, num_new, cached):
                 break
             heapq.heappop(self.waiting)
@@ -151,7 +171,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, num_new))
-            budget -= num_new
+            self._budget -= num_new
+            self._prefill_budget -= num_new
         for entry in deferred:
             heapq.heappush(self.waiting, entry)
 
@@ -172,3 +193,8 @@ class Scheduler:
             heapq.heapify(self.waiting)
         req.status = RequestStatus.FINISHED
         self.kv.free(req.request_id)
+
+
+def _is_decode(req: Request) -> bool:
+    """A request whose prompt (and any recomputed output) is all in the cache: one new token a step."""
+    return req.num_tokens - req.num_computed_tokens <= 1 and req.num_computed_tokens > 0

@@ -7,7 +7,7 @@ import os
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds this tier's subcommands."""
-    from pagedserve.config import add_engine_args
+    from pagedserve.config import SERVE_PREFILL_BESIDE_DECODES, add_engine_args
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model over an OpenAI-compatible HTTP API (completions, chat, "
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_admission_args(p)
     add_disaggregation_args(p)
     add_engine_args(p)
-    p.set_defaults(func=_serve)
+    p.set_defaults(func=_serve, max_prefill_tokens_beside_decodes=SERVE_PREFILL_BESIDE_DECODES)
 
 
 def add_disaggregation_args(parser: argparse.ArgumentParser) -> None:
