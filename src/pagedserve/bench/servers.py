@@ -80,9 +80,11 @@ def default_gguf() -> Path:
 
 
 def pagedserve_server(args: argparse.Namespace, port: int) -> ServerProcess:
+    # The KV pool vLLM gets (VLLM_CPU_KVCACHE_SPACE), so both hold the same tokens; flags after -- win.
+    kv = f"{getattr(args, 'vllm_kv_gib', 2)}GiB"
     cmd = [sys.executable, "-m", "pagedserve.cli", "--log-level", "WARNING", "serve", "--port", str(port),
            "--disable-access-log", "--embedding-model", "none", "--max-num-seqs", str(args.max_num_seqs),
-           *args.pagedserve_args]
+           "--kv-cache-memory", kv, *args.pagedserve_args]
     return ServerProcess("pagedserve", cmd, port)
 
 
