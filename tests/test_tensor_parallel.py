@@ -1,0 +1,77 @@
+"""Tensor parallelism: how a model splits, the shared-memory collectives against gloo's, and TP=N output against
+TP=1 in fp32 (greedy tokens identical, logits within 1e-4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.distributed.split import columns_of, even_parts, plan_shard
+from pagedserve.model.model_config import ModelConfig
+from pagedserve.model.quant import quantize
+from tests.tp_support import collective_rank, run_ranks
+
+
+def smollm2(**overrides) -> ModelConfig:
+    shape = {"architecture": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192}
+    return ModelConfig(**{**shape, **overrides})
+
+
+def test_even_parts_cover_the_whole_in_order():
+    parts = even_parts(10, 3)
+    assert [len(p) for p in parts] == [4, 3, 3]
+    assert [i for p in parts for i in p] == list(range(10))
+
+
+def test_smollm2_splits_by_whole_kv_groups():
+    config = smollm2()
+    two = [plan_shard(config, r, 2) for r in range(2)]  # 3 KV heads on 2 ranks: uneven, 2 + 1
+    assert [(s.kv_heads, s.q_heads) for s in two] == [(range(2), range(6)), (range(2, 3), range(6, 9))]
+    assert [len(s.intermediate) for s in two] == [768, 768]
+    assert [len(s.vocab) for s in two] == [24576, 24576]
+    three = [plan_shard(config, r, 3) for r in range(3)]
+    assert [(s.kv_heads, s.q_heads) for s in three] == [(range(r, r + 1), range(3 * r, 3 * r + 3)) for r in range(3)]
+    local = three[1].local_config(config)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (3, 1, 512)
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them():
+    config = smollm2(num_attention_heads=8, num_key_value_heads=2, hidden_size=512)
+    shards = [plan_shard(config, r, 4) for r in range(4)]
+    assert [s.kv_heads for s in shards] == [range(1), range(1), range(1, 2), range(1, 2)]
+    assert [s.q_heads for s in shards] == [range(2), range(2, 4), range(4, 6), range(6, 8)]
+
+
+def test_shapes_that_cannot_split_are_refused():
+    with pytest.raises(ValueError, match="cannot split 9 query heads / 3 KV heads over 4 ranks"):
+        plan_shard(smollm2(), 0, 4)
+    with pytest.raises(ValueError, match="MLP"):
+        plan_shard(smollm2(intermediate_size=48), 0, 2)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_weight_splits_along_groups_exactly(mode):
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    q = quantize(w, mode)
+    whole = x @ q.dequantize().T
+    parts = [range(128), range(128, 256)]
+    split = sum(x[:, p.start:p.stop] @ columns_of(q, p).dequantize().T for p in parts)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    if mode == "int4":
+        with pytest.raises(ValueError, match="cut a group"):
+            columns_of(q, range(48))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_shared_memory_collectives_match_gloo(world):
+    reports = run_ranks(collective_rank, world)
+    for results in reports:
+        for kind, dtype, size, shm, gloo in results:
+            assert shm.dtype == gloo.dtype and shm.shape == gloo.shape, (kind, dtype, size)
+            # two ranks sum a + b either way; three may associate differently (and bf16 sums in fp32 here)
+            tol = 0 if world == 2 and dtype == torch.float32 else (1e-6 if dtype == torch.float32 else 1e-2)
+            torch.testing.assert_close(shm.float(), gloo.float(), rtol=tol, atol=tol, msg=f"{kind} {dtype} {size}")
+    for results in reports[1:]:  # every rank holds the same bits (a replicated activation must not drift)
+        for mine, first in zip(results, reports[0]):
+            assert torch.equal(mine[3], first[3])
