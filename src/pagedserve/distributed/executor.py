@@ -89,6 +89,8 @@ class Workers:
                 self._expect(rank, "ready")
             if shm is not None:  # every rank has it mapped: nothing is left behind, however this process ends
                 shm.unlink()
+        except OSError as exc:  # a pipe to a worker broke: it is gone
+            raise self.failed(exc) from exc
         except BaseException:
             self.close()
             raise
@@ -105,7 +107,10 @@ class Workers:
         conn, proc = self.conns[rank - 1], self.procs[rank - 1]
         ready = wait([conn, proc.sentinel], START_TIMEOUT_S)
         if conn in ready:
-            got, payload = conn.recv()
+            try:
+                got, payload = conn.recv()
+            except EOFError:
+                got, payload = "error", f"it exited (code {proc.join(5) or proc.exitcode})"
             if got == kind:
                 return payload
             raise RankFailure(f"rank {rank} failed to start: {payload}")

@@ -3,6 +3,7 @@ driver sends it (the same calls as the driver's own runner, so the collectives m
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import traceback
@@ -17,6 +18,8 @@ from pagedserve.distributed.parallel_layers import shard_llama
 from pagedserve.distributed.parallel_state import open_communicator
 from pagedserve.distributed.split import RankShard, plan_shard
 from pagedserve.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def worker_main(rank: int, world: int, port: int, shm: Path | None, cores: list[int] | None, threads: int | None,
@@ -34,7 +37,8 @@ def worker_main(rank: int, world: int, port: int, shm: Path | None, cores: list[
         serve(conn, model, shard)
     except (EOFError, BrokenPipeError, RankFailure):  # the driver or another rank is gone: nothing left to serve
         os._exit(1)
-    except BaseException:  # noqa: BLE001 -- reported to the driver, which fails the replica with it
+    except BaseException:  # reported to the driver, which fails the replica with it
+        logger.exception("tensor-parallel rank %d failed", rank)
         try:
             conn.send(("error", traceback.format_exc()))
         finally:
