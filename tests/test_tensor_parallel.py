@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve import LLM
 from pagedserve.distributed.split import columns_of, even_parts, plan_shard
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import quantize
+from pagedserve.sampling_params import SamplingParams
 from tests.tp_support import collective_rank, run_ranks
 
 
@@ -75,3 +77,74 @@ def test_shared_memory_collectives_match_gloo(world):
     for results in reports[1:]:  # every rank holds the same bits (a replicated activation must not drift)
         for mine, first in zip(results, reports[0]):
             assert torch.equal(mine[3], first[3])
+
+
+NUM_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
+FP32 = {"dtype": "float32", "kv_cache_memory": "32MiB", "cpu_binding": "none"}
+
+
+def greedy_run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens, and every logits tensor the engine sampled them from, in order (a spy on its runner)."""
+    seen: list[torch.Tensor] = []
+    runner = llm.engine.runner
+    compute = runner.compute_logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)
+        seen.append(logits.clone())
+        return logits
+
+    runner.compute_logits = spy
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    finally:
+        del runner.compute_logits
+    return [o.outputs[0].token_ids for o in outs], seen
+
+
+def assert_same_run(got: tuple, expected: tuple) -> None:
+    tokens, logits = got
+    assert tokens == expected[0]
+    assert len(logits) == len(expected[1])  # the same schedule, step by step
+    for mine, ref in zip(logits, expected[1]):
+        assert (mine - ref).abs().max().item() < 1e-4
+
+
+@pytest.fixture
+def parallel_llm():
+    """An LLM factory whose tensor-parallel workers are stopped after the test, whatever happens."""
+    made: list[LLM] = []
+
+    def make(**kwargs) -> LLM:
+        made.append(LLM(**kwargs))
+        return made[-1]
+
+    yield make
+    for llm in made:
+        if llm.engine.workers is not None:
+            llm.engine.workers.close()
+            assert all(not p.is_alive() for p in llm.engine.workers.procs)
+
+
+@pytest.fixture(scope="module")
+def tp1_reference(reference_prompts):
+    """TP=1 in fp32: the reference, once cold and once again from the prefix cache."""
+    llm = LLM(max_num_batched_tokens=40, **FP32)
+    return greedy_run(llm, reference_prompts[:4]), greedy_run(llm, reference_prompts[:4])
+
+
+def test_tp2_matches_tp1(parallel_llm, tp1_reference, reference_prompts):
+    """The quick check: two ranks (SmolLM2's uneven 2 + 1 KV-head split), chunked prefill, then prefix hits."""
+    llm = parallel_llm(tensor_parallel_size=2, max_num_batched_tokens=40, **FP32)
+    assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[0])
+    assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[1])
+    assert llm.engine.stats().prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.slow
+def test_tp3_matches_tp1(parallel_llm, tp1_reference, reference_prompts):
+    """The odd split: one KV head and three query heads a rank."""
+    llm = parallel_llm(tensor_parallel_size=3, max_num_batched_tokens=40, **FP32)
+    assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[0])
+    assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[1])
