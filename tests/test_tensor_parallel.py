@@ -2,10 +2,13 @@
 TP=1 in fp32 (greedy tokens identical, logits within 1e-4)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from pagedserve import LLM
+from pagedserve.distributed.communicator import RankFailure
 from pagedserve.distributed.split import columns_of, even_parts, plan_shard
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import quantize
@@ -135,11 +138,19 @@ def tp1_reference(reference_prompts):
 
 
 def test_tp2_matches_tp1(parallel_llm, tp1_reference, reference_prompts):
-    """The quick check: two ranks (SmolLM2's uneven 2 + 1 KV-head split), chunked prefill, then prefix hits."""
+    """The quick check: two ranks (SmolLM2's uneven 2 + 1 KV-head split), chunked prefill, then prefix hits. Then
+    the worker dies: the next step fails at once, naming it, instead of waiting on its collectives."""
     llm = parallel_llm(tensor_parallel_size=2, max_num_batched_tokens=40, **FP32)
     assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[0])
     assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[1])
     assert llm.engine.stats().prefix_cache_hit_tokens > 0
+    worker = llm.engine.workers.procs[0]
+    worker.kill()
+    worker.join(timeout=10)
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exited"):
+        llm.generate(["Hello"], GREEDY)
+    assert time.monotonic() - started < 10
 
 
 @pytest.mark.slow
