@@ -2,8 +2,12 @@
 TP=1 in fp32 (greedy tokens identical, logits within 1e-4)."""
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -14,6 +18,7 @@ from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import quantize
 from pagedserve.model.quant_linear import kernel_path
 from pagedserve.sampling_params import SamplingParams
+from tests.server_support import ServerProcess
 from tests.tp_support import collective_rank, run_ranks
 
 
@@ -186,3 +191,29 @@ def test_tp2_composes(engine_args, params, atol, parallel_llm, reference_prompts
         assert_same_run(greedy_run(llm, prompts, params), expected, atol)
     finally:
         kernel_path.cache_clear()
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of process pid (its tensor-parallel workers)."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_server_answers_503_once_a_rank_dies():
+    """A served TP=2 replica whose worker dies: the request in hand and every later one get 503, /health says
+    unhealthy, and nothing hangs."""
+    server = ServerProcess(["--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+                            "--embedding-model", "none", "--cpu-binding", "none"], startup_timeout=300)
+    try:
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+        workers = spawned_children(server.proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 503
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 503
+    finally:
+        server.stop()
