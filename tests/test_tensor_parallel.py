@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from pagedserve import LLM
+from pagedserve.config import EngineConfig
 from pagedserve.distributed.communicator import RankFailure
+from pagedserve.distributed.cpu_binding import parse_cores, rank_cores
+from pagedserve.distributed.executor import check_parallel
 from pagedserve.distributed.split import columns_of, even_parts, plan_shard
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import quantize
@@ -58,6 +61,26 @@ def test_shapes_that_cannot_split_are_refused():
         plan_shard(smollm2(), 0, 4)
     with pytest.raises(ValueError, match="MLP"):
         plan_shard(smollm2(intermediate_size=48), 0, 2)
+
+
+def test_cpu_binding_gives_each_rank_its_own_cores():
+    assert parse_cores("0-3,8") == [0, 1, 2, 3, 8]
+    assert rank_cores("0-1;2-3", 2) == [[0, 1], [2, 3]]
+    assert rank_cores("none", 2) is None
+    auto = rank_cores("auto", 2)
+    if auto is not None:  # a machine with at least two cores: disjoint, equal shares
+        assert len(auto) == 2 and len(auto[0]) == len(auto[1]) and not set(auto[0]) & set(auto[1])
+    with pytest.raises(ValueError, match="one per rank"):
+        rank_cores("0-3", 2)
+    with pytest.raises(ValueError, match="share cores"):
+        rank_cores("0-1;1-2", 2)
+
+
+def test_what_tensor_parallelism_cannot_run_yet_is_refused():
+    with pytest.raises(ValueError, match="gemma3"):
+        check_parallel(EngineConfig(tensor_parallel_size=2), "gemma3")
+    with pytest.raises(ValueError, match="LoRA"):
+        check_parallel(EngineConfig(tensor_parallel_size=2, enable_lora=True), "llama")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
