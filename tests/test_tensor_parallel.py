@@ -81,6 +81,8 @@ def test_what_tensor_parallelism_cannot_run_yet_is_refused():
         check_parallel(EngineConfig(tensor_parallel_size=2), "gemma3")
     with pytest.raises(ValueError, match="LoRA"):
         check_parallel(EngineConfig(tensor_parallel_size=2, enable_lora=True), "llama")
+    with pytest.raises(ValueError, match="int4"):
+        check_parallel(EngineConfig(tensor_parallel_size=2, kv_cache_dtype="int4"), "llama")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

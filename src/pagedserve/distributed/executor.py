@@ -46,6 +46,9 @@ def check_parallel(config: EngineConfig, family: str) -> None:
                          f"{', '.join(SUPPORTED_FAMILIES)}")
     if config.enable_lora:
         raise ValueError("--tensor-parallel-size > 1 does not serve LoRA adapters yet")
+    if config.kv_cache_dtype == "int4":  # its key tails are bookkept by each runner, so the workers' would drift
+        raise ValueError("--tensor-parallel-size > 1 does not support --kv-cache-dtype int4 yet; supported: auto, "
+                         "bfloat16, float32, fp8, fp8_e5m2, int8")
 
 
 class Workers:
