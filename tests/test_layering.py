@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "pagedserve"
 TIERS = [
     {"config", "sampling_params", "lora_request", "outputs"},
     {"model", "embedding"},
-    {"engine"},
+    {"engine", "distributed"},
     {"llm", "server"},
     {"cluster"},
     {"gateway"},

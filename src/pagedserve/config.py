@@ -41,6 +41,8 @@ class EngineConfig:
     max_guided_choices: int = 1000  # alternatives in one output constraint (engine/structured_output.py)
     grammar_compile_timeout: float = 10.0  # seconds the server waits for a new constraint to compile
     grammar_cache_memory: str = "64MiB"  # checked constraints (and refusals) kept
+    tensor_parallel_size: int = 1  # ranks the model is split over, one process each (distributed/)
+    cpu_binding: str = "auto"  # auto | none | one core list per rank, ';'-separated (distributed/cpu_binding.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -112,6 +114,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "to compile before it is refused with a 400")
     g.add_argument("--grammar-cache-memory", default=d.grammar_cache_memory,
                    help="memory for the checked output constraints kept, so a repeated one skips its checks")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="split the model over this many processes on this host (Megatron-style: heads, MLP columns "
+                        "and vocabulary), the scheduler and sampler in the first")
+    g.add_argument("--cpu-binding", default=d.cpu_binding,
+                   help="cores of each tensor-parallel rank: auto (equal disjoint shares, NUMA node by node), none, "
+                        "or one core list per rank separated by ';', e.g. '0-7;8-15'")
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML file whose keys (flag names, dashes or underscores) set values; "
                              "flags given on the command line win")

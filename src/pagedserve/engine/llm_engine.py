@@ -6,12 +6,14 @@ import logging
 import random
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedserve.config import EngineConfig, parse_size
+from pagedserve.distributed.executor import ParallelModelRunner, Workers
 from pagedserve.engine.calibration import CALIBRATION_TEXT
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache import KVCacheGroup, KVCacheManager, kv_cache_groups
@@ -97,6 +99,8 @@ class LLMEngine:
         if self.quantization in ("int8", "int4"):
             model.quantize_linears(self.quantization, hadamard=w8a8_basis(self.quantization, self.dtype))
         model.to(self.dtype).eval()
+        # tensor parallelism: the workers start and this process keeps rank 0's part of the model
+        self.workers = Workers(config, model) if config.tensor_parallel_size > 1 else None
         self.weight_bytes = quantized_bytes(model)
         self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
                              "quant_kernel": quant_kernel(self.quantization, self.dtype),
@@ -112,7 +116,8 @@ class LLMEngine:
         self.max_model_len = self._fit_context(self._one_request_tokens(num_blocks, groups))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  [g.window for g in groups])
-        self.runner = ModelRunner(model, loaded.config, self.kv_format, num_blocks, config.block_size,
+        runner_cls = ModelRunner if self.workers is None else partial(ParallelModelRunner, self.workers)
+        self.runner = runner_cls(model, loaded.config, self.kv_format, num_blocks, config.block_size,
                                   use_kernel=config.attention_backend == "cpp",
                                   calibration_ids=self.tokenizer.encode(CALIBRATION_TEXT),
                                   max_num_seqs=config.max_num_seqs,

@@ -1,0 +1,116 @@
+"""The layers of a rank's part of the model, and shard_llama, which cuts a loaded model down to one rank's part.
+
+Column-parallel projections (qkv, gate_up) need no new layer: a rank's rows are a smaller Linear of the same kind.
+Row-parallel ones sum their partial products across ranks before the residual joins, so it is added once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.distributed.split import RankShard, columns_of, gate_up_rows, qkv_rows, rows_of
+from pagedserve.model.linear import Linear
+from pagedserve.model.quant import QuantizedWeight
+from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
+
+
+class RowParallelLinear(nn.Module):
+    """o_proj and down_proj: this rank's input columns, then the all-reduce, then the residual."""
+
+    def __init__(self, inner: nn.Module, comm: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.comm.all_reduce(self.inner(x))
+        return y if residual is None else residual + y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's vocabulary rows; a token another rank holds looks up zeros here, and the all-reduce (one
+    nonzero term per row, so exact) gives every rank the whole embedding."""
+
+    def __init__(self, inner: nn.Module, vocab: range, comm: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.vocab = vocab
+        self.comm = comm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab.start
+        outside = (local < 0) | (local >= len(self.vocab))
+        x = self.inner(local.masked_fill(outside, 0))
+        return self.comm.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(nn.Module):
+    """This rank's vocabulary share of the logits, gathered into the whole row on every rank."""
+
+    def __init__(self, inner: nn.Module, sizes: tuple[int, ...], comm: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.sizes = list(sizes)
+        self.comm = comm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather(self.inner(hidden).contiguous(), self.sizes)
+
+
+def linear_of(module: nn.Module, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
+    """A layer of module's kind over weight (float or quantized)."""
+    bias_param = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+    if isinstance(weight, QuantizedWeight):
+        return QuantLinear(weight, bias_param)
+    n, k = weight.shape
+    layer = Linear(k, n, bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.bias = bias_param
+    return layer
+
+
+def weight_of(module: nn.Module) -> torch.Tensor | QuantizedWeight:
+    return module.qweight if isinstance(module, QuantLinear | QuantEmbedding) else module.weight.detach()
+
+
+def column_parallel(module: nn.Module, rows: torch.Tensor) -> nn.Module:
+    bias = None if module.bias is None else module.bias.detach()[rows]
+    return linear_of(module, rows_of(weight_of(module), rows), bias)
+
+
+def row_parallel(module: nn.Module, cols: range, comm: Any) -> RowParallelLinear:
+    if module.bias is not None:
+        raise ValueError("a row-parallel projection with a bias is not supported")
+    return RowParallelLinear(linear_of(module, columns_of(weight_of(module), cols), None), comm)
+
+
+@torch.no_grad()
+def shard_llama(model: nn.Module, shard: RankShard, comm: Any) -> None:
+    """Replaces model's layers (a loaded Llama-family model, before use_fast_path packs them) by rank shard's part."""
+    config = model.config
+    local = shard.local_config(config)
+    d = config.head_dim
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = column_parallel(attn.qkv_proj, qkv_rows(shard, config))
+        attn.o_proj = row_parallel(attn.o_proj, range(shard.q_heads.start * d, shard.q_heads.stop * d), comm)
+        attn.num_heads, attn.num_kv_heads = local.num_attention_heads, local.num_key_value_heads
+        attn.q_size, attn.kv_size = local.q_size, local.kv_size
+        mlp.gate_up_proj = column_parallel(mlp.gate_up_proj, gate_up_rows(shard, config))
+        mlp.down_proj = row_parallel(mlp.down_proj, shard.intermediate, comm)
+    vocab = torch.arange(shard.vocab.start, shard.vocab.stop)
+    embed = model.embed_tokens
+    rows = rows_of(weight_of(embed), vocab)
+    if isinstance(embed, QuantEmbedding):
+        inner_embed: nn.Module = QuantEmbedding(rows, embed.dtype)
+    else:
+        inner_embed = nn.Embedding.from_pretrained(rows, freeze=True)
+    tied = config.tie_word_embeddings
+    head = (linear_of(model.lm_head, inner_embed.qweight if isinstance(inner_embed, QuantEmbedding)
+                      else inner_embed.weight, None) if tied else column_parallel(model.lm_head, vocab))
+    if tied and isinstance(head, Linear):
+        head.weight = inner_embed.weight  # one tensor for both, as in the whole model
+    model.embed_tokens = VocabParallelEmbedding(inner_embed, shard.vocab, comm)
+    model.lm_head = ParallelLMHead(head, shard.vocab_sizes, comm)

@@ -1,0 +1,244 @@
+"""Tensor parallelism: how a model splits, the shared-memory collectives against gloo's, and TP=N output against
+TP=1 in fp32 (greedy tokens identical, logits within 1e-4)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from pagedserve import LLM
+from pagedserve.config import EngineConfig
+from pagedserve.distributed.communicator import RankFailure
+from pagedserve.distributed.cpu_binding import parse_cores, rank_cores
+from pagedserve.distributed.executor import check_parallel
+from pagedserve.distributed.split import columns_of, even_parts, plan_shard
+from pagedserve.model.model_config import ModelConfig
+from pagedserve.model.quant import quantize
+from pagedserve.model.quant_linear import kernel_path
+from pagedserve.sampling_params import SamplingParams
+from tests.server_support import ServerProcess
+from tests.tp_support import collective_rank, run_ranks
+
+
+def smollm2(**overrides) -> ModelConfig:
+    shape = {"architecture": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192}
+    return ModelConfig(**{**shape, **overrides})
+
+
+def test_even_parts_cover_the_whole_in_order():
+    parts = even_parts(10, 3)
+    assert [len(p) for p in parts] == [4, 3, 3]
+    assert [i for p in parts for i in p] == list(range(10))
+
+
+def test_smollm2_splits_by_whole_kv_groups():
+    config = smollm2()
+    two = [plan_shard(config, r, 2) for r in range(2)]  # 3 KV heads on 2 ranks: uneven, 2 + 1
+    assert [(s.kv_heads, s.q_heads) for s in two] == [(range(2), range(6)), (range(2, 3), range(6, 9))]
+    assert [len(s.intermediate) for s in two] == [768, 768]
+    assert [len(s.vocab) for s in two] == [24576, 24576]
+    three = [plan_shard(config, r, 3) for r in range(3)]
+    assert [(s.kv_heads, s.q_heads) for s in three] == [(range(r, r + 1), range(3 * r, 3 * r + 3)) for r in range(3)]
+    local = three[1].local_config(config)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (3, 1, 512)
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them():
+    config = smollm2(num_attention_heads=8, num_key_value_heads=2, hidden_size=512)
+    shards = [plan_shard(config, r, 4) for r in range(4)]
+    assert [s.kv_heads for s in shards] == [range(1), range(1), range(1, 2), range(1, 2)]
+    assert [s.q_heads for s in shards] == [range(2), range(2, 4), range(4, 6), range(6, 8)]
+
+
+def test_shapes_that_cannot_split_are_refused():
+    with pytest.raises(ValueError, match="cannot split 9 query heads / 3 KV heads over 4 ranks"):
+        plan_shard(smollm2(), 0, 4)
+    with pytest.raises(ValueError, match="MLP"):
+        plan_shard(smollm2(intermediate_size=48), 0, 2)
+
+
+def test_cpu_binding_gives_each_rank_its_own_cores():
+    assert parse_cores("0-3,8") == [0, 1, 2, 3, 8]
+    assert rank_cores("0-1;2-3", 2) == [[0, 1], [2, 3]]
+    assert rank_cores("none", 2) is None
+    auto = rank_cores("auto", 2)
+    if auto is not None:  # a machine with at least two cores: disjoint, equal shares
+        assert len(auto) == 2 and len(auto[0]) == len(auto[1]) and not set(auto[0]) & set(auto[1])
+    with pytest.raises(ValueError, match="one per rank"):
+        rank_cores("0-3", 2)
+    with pytest.raises(ValueError, match="share cores"):
+        rank_cores("0-1;1-2", 2)
+
+
+def test_what_tensor_parallelism_cannot_run_yet_is_refused():
+    with pytest.raises(ValueError, match="gemma3"):
+        check_parallel(EngineConfig(tensor_parallel_size=2), "gemma3")
+    with pytest.raises(ValueError, match="LoRA"):
+        check_parallel(EngineConfig(tensor_parallel_size=2, enable_lora=True), "llama")
+    with pytest.raises(ValueError, match="int4"):
+        check_parallel(EngineConfig(tensor_parallel_size=2, kv_cache_dtype="int4"), "llama")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_weight_splits_along_groups_exactly(mode):
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    q = quantize(w, mode)
+    whole = x @ q.dequantize().T
+    parts = [range(128), range(128, 256)]
+    split = sum(x[:, p.start:p.stop] @ columns_of(q, p).dequantize().T for p in parts)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    if mode == "int4":
+        with pytest.raises(ValueError, match="cut a group"):
+            columns_of(q, range(48))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_shared_memory_collectives_match_gloo(world):
+    reports = run_ranks(collective_rank, world)
+    for results in reports:
+        for kind, dtype, size, shm, gloo in results:
+            assert shm.dtype == gloo.dtype and shm.shape == gloo.shape, (kind, dtype, size)
+            # two ranks sum a + b either way; three may associate differently (and bf16 sums in fp32 here)
+            tol = 0 if world == 2 and dtype == torch.float32 else (1e-6 if dtype == torch.float32 else 1e-2)
+            torch.testing.assert_close(shm.float(), gloo.float(), rtol=tol, atol=tol, msg=f"{kind} {dtype} {size}")
+    for results in reports[1:]:  # every rank holds the same bits (a replicated activation must not drift)
+        for mine, first in zip(results, reports[0]):
+            assert torch.equal(mine[3], first[3])
+
+
+NUM_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
+FP32 = {"dtype": "float32", "kv_cache_memory": "32MiB", "cpu_binding": "none"}
+
+
+def greedy_run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
+               ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Every sample's tokens, and every logits tensor the engine sampled from, in order (a spy on its runner)."""
+    seen: list[torch.Tensor] = []
+    runner = llm.engine.runner
+    compute = runner.compute_logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)
+        seen.append(logits.clone())
+        return logits
+
+    runner.compute_logits = spy
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        del runner.compute_logits
+    return [c.token_ids for o in outs for c in o.outputs], seen
+
+
+def assert_same_run(got: tuple, expected: tuple, atol: float | None = 1e-4) -> None:
+    """atol None: the tokens and the schedule only."""
+    tokens, logits = got
+    assert tokens == expected[0]
+    assert len(logits) == len(expected[1])  # the same schedule, step by step
+    for mine, ref in zip(logits, expected[1]):
+        assert atol is None or (mine - ref).abs().max().item() < atol
+
+
+@pytest.fixture
+def parallel_llm():
+    """An LLM factory whose tensor-parallel workers are stopped after the test, whatever happens."""
+    made: list[LLM] = []
+
+    def make(**kwargs) -> LLM:
+        made.append(LLM(**kwargs))
+        return made[-1]
+
+    yield make
+    for llm in made:
+        if llm.engine.workers is not None:
+            llm.engine.workers.close()
+            assert all(not p.is_alive() for p in llm.engine.workers.procs)
+
+
+@pytest.fixture(scope="module")
+def tp1_reference(reference_prompts):
+    """TP=1 in fp32: the reference, once cold and once again from the prefix cache."""
+    llm = LLM(max_num_batched_tokens=40, **FP32)
+    return greedy_run(llm, reference_prompts[:4]), greedy_run(llm, reference_prompts[:4])
+
+
+def test_tp2_matches_tp1(parallel_llm, tp1_reference, reference_prompts):
+    """The quick check: two ranks (SmolLM2's uneven 2 + 1 KV-head split), chunked prefill, then prefix hits. Then
+    the worker dies: the next step fails at once, naming it, instead of waiting on its collectives."""
+    llm = parallel_llm(tensor_parallel_size=2, max_num_batched_tokens=40, **FP32)
+    assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[0])
+    assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[1])
+    assert llm.engine.stats().prefix_cache_hit_tokens > 0
+    worker = llm.engine.workers.procs[0]
+    worker.kill()
+    worker.join(timeout=10)
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exited"):
+        llm.generate(["Hello"], GREEDY)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.slow
+def test_tp3_matches_tp1(parallel_llm, tp1_reference, reference_prompts):
+    """The odd split: one KV head and three query heads a rank."""
+    llm = parallel_llm(tensor_parallel_size=3, max_num_batched_tokens=40, **FP32)
+    assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[0])
+    assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("engine_args", "params", "atol"), [
+    # int8 weights through the dequantizing path: the split product is the whole one, up to summation order. (The
+    # integer decode kernel quantizes activations per row, so there logits move within its int16 rounding.)
+    pytest.param({"quantization": "int8"}, GREEDY, 1e-4, id="int8-weights"),
+    # int8 KV: scales per token and head, so they split with their heads; a one-ulp difference in a key can move its
+    # 8-bit scale code, so only the tokens and the schedule are compared.
+    pytest.param({"kv_cache_dtype": "int8"}, GREEDY, None, id="int8-kv"),
+    # n > 1: the siblings' blocks are copied on every rank (copy_blocks goes to the workers too)
+    pytest.param({}, SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS), 1e-4,
+                 id="n3-seeded"),
+])
+def test_tp2_composes(engine_args, params, atol, parallel_llm, reference_prompts, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", "torch")  # the workers read it as they start
+    kernel_path.cache_clear()
+    try:
+        prompts = reference_prompts[:3]
+        expected = greedy_run(LLM(**FP32, **engine_args), prompts, params)
+        llm = parallel_llm(tensor_parallel_size=2, **FP32, **engine_args)
+        assert_same_run(greedy_run(llm, prompts, params), expected, atol)
+    finally:
+        kernel_path.cache_clear()
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of process pid (its tensor-parallel workers)."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_server_answers_503_once_a_rank_dies():
+    """A served TP=2 replica whose worker dies: the request in hand and every later one get 503, /health says
+    unhealthy, and nothing hangs."""
+    server = ServerProcess(["--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+                            "--embedding-model", "none", "--cpu-binding", "none"], startup_timeout=300)
+    try:
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+        workers = spawned_children(server.proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 503
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 503
+    finally:
+        server.stop()
