@@ -6,6 +6,7 @@ import torch
 from pagedserve.model.checkpoints.compressed_tensors import load_compressed_tensors
 from pagedserve.model.fp8_linear import FP8Weight
 from pagedserve.model.quant import QuantizedWeight
+from pagedserve.model.quant_linear import gemm_path, kernel_path, w8a8_available
 
 SUPPORTED = ("compressed-tensors",)
 
@@ -21,3 +22,16 @@ def checkpoint_weights(tensors: dict[str, torch.Tensor], quantization_config: di
         return load_compressed_tensors(tensors, quantization_config)
     raise ValueError(f"quantization_config quant_method {method!r} is not supported (supported: "
                      f"{', '.join(SUPPORTED)})")
+
+
+def checkpoint_kernel(weights: dict[str, torch.Tensor | QuantizedWeight | FP8Weight], dtype: torch.dtype) -> str:
+    """What runs a checkpoint's quantized weights in a model computed in dtype, for /metrics and /v1/models."""
+    paths = set()
+    for w in weights.values():
+        if isinstance(w, FP8Weight):
+            paths.add(f"fp8-values-{'bf16' if dtype == torch.bfloat16 else 'fp32'}-gemm")
+        elif isinstance(w, QuantizedWeight) and w.per_token_int8 and dtype == torch.bfloat16 and w8a8_available():
+            paths.add("w8a8-amx")
+        elif isinstance(w, QuantizedWeight):
+            paths.add(("int8-tokens+" if w.per_token_int8 else "") + f"{kernel_path()}+{gemm_path()}")
+    return ",".join(sorted(paths)) or "none"
