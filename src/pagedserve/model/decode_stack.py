@@ -32,7 +32,8 @@ def build_decode_stack(model: Any) -> Any | None:
         return None
     linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                for layer in model.layers]
-    if not all(isinstance(m, QuantLinear) and m.bias is None for group in linears for m in group):
+    if not all(isinstance(m, QuantLinear) and m.bias is None and not m.qweight.per_token_int8
+               for group in linears for m in group):  # a checkpoint's W8A8 quantizes its tokens in Python
         return None
     amx_min_rows = few_rows_limit(torch.bfloat16) if gemm_path() == "amx" else 1 << 30
     attn = model.layers[0].self_attn

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.attention import AttentionMetadata
+from pagedserve.model.fp8_linear import FP8Weight
 from pagedserve.model.lora import LoRABatch
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import QuantizedWeight
@@ -83,12 +84,15 @@ def scale_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Ten
     return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
-def fuse(weights: dict[str, torch.Tensor | QuantizedWeight], fused: str, parts: list[str]) -> None:
+def fuse(weights: dict[str, torch.Tensor | QuantizedWeight | FP8Weight], fused: str, parts: list[str]) -> None:
     missing = [p for p in parts if p not in weights]
     if missing:
         raise ValueError(f"model file lacks {missing[0]!r}")
     tensors = [weights.pop(p) for p in parts]
-    quantized = [isinstance(t, QuantizedWeight) for t in tensors]
+    if all(isinstance(t, FP8Weight) for t in tensors):
+        weights[fused] = FP8Weight.cat(tensors)
+        return
+    quantized = [isinstance(t, QuantizedWeight | FP8Weight) for t in tensors]
     if all(quantized) and len({(t.bits, t.group, t.mins is None) for t in tensors}) == 1:
         weights[fused] = QuantizedWeight.cat(tensors)
     else:  # mixed formats (say Q4_K beside Q6_K) cannot share one kernel call: that projection runs in float

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve.model.checkpoints import checkpoint_weights
+from pagedserve.model.fp8_linear import FP8Weight
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.models import ModelFamily, gguf_family, hf_family
 from pagedserve.model.quant import GGUF_TYPES, QuantizedWeight, from_gguf
@@ -32,7 +34,8 @@ GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.n
 class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
-    weights: dict[str, torch.Tensor | QuantizedWeight]  # HF names and layouts: float32, or as stored (gguf)
+    weights: dict[str, torch.Tensor | QuantizedWeight | FP8Weight]  # HF names: float32, or as stored
+    checkpoint_scheme: str = "none"  # a quantized HF checkpoint's scheme (model/checkpoints/), loaded as stored
 
 
 def default_model_path() -> Path:
@@ -112,7 +115,11 @@ def load_model(model: str | None, quantization: str = "none") -> LoadedModel:
     if path.is_dir():
         if quantization == "gguf":
             raise ValueError(f"--quantization gguf needs a GGUF file; {path} is a folder (use int8 or int4)")
-        return load_hf_folder(path)
+        loaded = load_hf_folder(path)
+        if loaded.checkpoint_scheme != "none" and quantization in ("int8", "int4"):
+            raise ValueError(f"{path} is already quantized ({loaded.checkpoint_scheme}): it runs as stored with "
+                             f"--quantization auto or none, not {quantization}")
+        return loaded
     return load_gguf(path, keep_quantized=quantization == "gguf")
 
 
@@ -302,12 +309,13 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    weights = {}
+    tensors = {}
     for f in files:  # sharded checkpoints are simply several files
-        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+        tensors.update(load_file(str(f)))
+    weights, scheme = checkpoint_weights(tensors, cfg.get("quantization_config"))
     if "lm_head.weight" not in weights:
         config.tie_word_embeddings = True
     tokenizer = Tokenizer.from_folder(folder, config.eos_token_ids, config.bos_token_id)
     if not config.eos_token_ids:
         config.eos_token_ids = tokenizer.eos_token_ids
-    return LoadedModel(config, tokenizer, weights)
+    return LoadedModel(config, tokenizer, weights, scheme)

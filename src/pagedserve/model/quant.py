@@ -36,6 +36,7 @@ class QuantizedWeight:
     group: int
     source: str  # what it was converted from: a GGUF type, or int8 / int4
     hadamard: int = 0  # K in blocks of this width turned by Hadamard's matrix (0: not turned)
+    per_token_int8: bool = False  # a checkpoint's W8A8: activations quantized per token to int8 (quant_linear.py)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -66,19 +67,20 @@ class QuantizedWeight:
         """The rows at index (a permutation or a selection), same layout."""
         mins = None if self.mins is None else self.mins[index].contiguous()
         return QuantizedWeight(self.qweight[index].contiguous(), self.scales[index].contiguous(), mins, self.bits,
-                               self.group, self.source, self.hadamard)
+                               self.group, self.source, self.hadamard, self.per_token_int8)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Rows of several weights of one format stacked (fused qkv and gate_up projections)."""
         first = parts[0]
-        if any((p.bits, p.group, p.mins is None, p.hadamard) != (first.bits, first.group, first.mins is None, first.hadamard)
-               for p in parts):
+        if any((p.bits, p.group, p.mins is None, p.hadamard, p.per_token_int8)
+               != (first.bits, first.group, first.mins is None, first.hadamard, first.per_token_int8) for p in parts):
             raise ValueError(f"cannot fuse weights of different formats: {sorted({p.source for p in parts})}")
         dtype = first.scales.dtype if len({p.scales.dtype for p in parts}) == 1 else torch.float32
         mins = None if first.mins is None else torch.cat([p.mins.to(dtype) for p in parts])
         return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales.to(dtype) for p in parts]),
-                               mins, first.bits, first.group, "+".join(sorted({p.source for p in parts})), first.hadamard)
+                               mins, first.bits, first.group, "+".join(sorted({p.source for p in parts})), first.hadamard,
+                               first.per_token_int8)
 
 
 def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:

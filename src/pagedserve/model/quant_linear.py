@@ -15,6 +15,9 @@ would re-read all activations per 32 weight rows. PAGEDSERVE_QUANT_GEMM forces o
 are quantized in a Hadamard basis (quant.py) and each token is turned into it and quantized to int8 inside the
 kernel; it reads the int8 weights as the tiles' operand, with nothing to dequantize.
 PAGEDSERVE_QUANT_W8A8=0 keeps int8 on the paths above (W8A16).
+
+A checkpoint's W8A8 weights (per_token_int8, model/checkpoints/) run on that kernel without the Hadamard basis,
+else their activations are quantized per token in PyTorch (token_quant.py) before the paths above.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from torch import nn
 
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.quant import QuantizedWeight, turn
+from pagedserve.model.token_quant import quantize_tokens
 
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}
 # Measured on 3072x576 and 576x1536 (one thread, AVX2): the integer kernel is ~2x faster than dequantize +
@@ -118,6 +122,11 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_row
             return cpu_kernels().quant_linear_w8a8(x.contiguous(), w.qweight, w.scales, w.hadamard,
                                                    None if residual is None else residual.contiguous())
         x = turn(x, w.hadamard).to(x.dtype)  # any other path meets the turned weights in their basis
+    elif w.per_token_int8:
+        if x.dtype == torch.bfloat16 and w8a8_available() and w.group == x.shape[1] and w.group % 64 == 0:
+            return cpu_kernels().quant_linear_w8a8(x.contiguous(), w.qweight, w.scales, 0,
+                                                   None if residual is None else residual.contiguous())
+        x = quantize_tokens(x)
     if path == "torch":
         y = F.linear(x, w.dequantize().to(x.dtype))
     elif x.shape[0] >= (few_rows_limit(x.dtype) if dequant_min_rows is None else dequant_min_rows):

@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedserve.model.attention import AttentionMetadata, paged_attention
 from pagedserve.model.decode_stack import build_decode_stack, run_decode_stack, stack_takes
+from pagedserve.model.fp8_linear import FP8Linear, FP8Weight
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.kv_cache_dtype import LayerKVCache, hadamard
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding, StepContext, fuse, rotate
@@ -196,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
                 key = name.removeprefix("model.")
                 if key == "rope_freqs" or (key == "lm_head.weight" and self.config.tie_word_embeddings):
                     continue
-                if isinstance(w, QuantizedWeight):
+                if isinstance(w, QuantizedWeight | FP8Weight):
                     self._set_quantized(key, w)
                     continue
                 if key not in params:
@@ -213,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         if mlp:
             fuse(weights, p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
 
-    def _set_quantized(self, key: str, w: QuantizedWeight) -> None:
+    def _set_quantized(self, key: str, w: QuantizedWeight | FP8Weight) -> None:
         path = key.removesuffix(".weight")
         module = self.get_submodule(path)
         if tuple(w.shape) != (module.weight.shape[0], module.weight.shape[1]):
@@ -224,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = QuantLinear(w)
             return
         parent, _, name = path.rpartition(".")
-        setattr(self.get_submodule(parent) if parent else self, name, QuantLinear(w, module.bias))
+        layer = FP8Linear(w, module.bias) if isinstance(w, FP8Weight) else QuantLinear(w, module.bias)
+        setattr(self.get_submodule(parent) if parent else self, name, layer)
 
     def quantize_linears(self, mode: str, group: int = 32, hadamard: int = 0) -> None:
         """int8 / int4 from the loaded float weights: every projection, and the LM head. A head tied to the
