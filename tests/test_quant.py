@@ -20,7 +20,7 @@ HAS_W8A8 = w8a8_available()
 
 # K-quants have no quantizer in the gguf package: their blocks are random bytes with finite fp16 scales
 # where the format keeps them (byte offsets in the super-block).
-K_QUANT_SCALES = {"Q4_K": (0, 2), "Q6_K": (208,)}
+K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
@@ -38,7 +38,7 @@ def gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[Quantize
     return from_gguf(raw, type_name, (n, k)), gguf.quants.dequantize(raw, qtype)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize(("n", "k"), [(1, 256), (7, 512), (33, 768)])
 def test_gguf_blocks_convert_without_loss(type_name, n, k):
     ours, theirs = gguf_weight(type_name, n, k)
@@ -58,6 +58,18 @@ def test_q5_0_every_bit_pattern_converts_without_loss():
     assert torch.equal(ours.dequantize(), torch.from_numpy(theirs.astype(np.float32)))
 
 
+def test_q5_1_every_bit_pattern_converts_without_loss():
+    """Random bytes (every high-bit and nibble pattern) with finite scales and mins: 8-bit levels 0..31 with mins."""
+    rng = np.random.default_rng(6)
+    raw = rng.integers(0, 256, (6, 512 // 32, 24), dtype=np.uint8)
+    raw[..., 0:4] = (rng.standard_normal((6, 512 // 32, 2)) * 0.05).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(6, -1)
+    ours = from_gguf(raw, "Q5_1", (6, 512))
+    assert ours.bits == 8 and ours.mins.dtype == torch.float16 and ours.levels().max() == 31
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_1)
+    assert torch.equal(ours.dequantize(), torch.from_numpy(theirs.astype(np.float32)))
+
+
 def test_gguf_scales_stay_fp16_and_fuse_with_fp32_ones():
     q4_1, _ = gguf_weight("Q4_1", 8, 256)
     q4_k, _ = gguf_weight("Q4_K", 8, 256)
@@ -70,8 +82,8 @@ def test_gguf_scales_stay_fp16_and_fuse_with_fp32_ones():
 
 
 def test_unsupported_or_truncated_gguf_tensors_are_named():
-    with pytest.raises(ValueError, match="Q5_K"):
-        from_gguf(np.zeros((4, 176), np.uint8), "Q5_K", (4, 256))
+    with pytest.raises(ValueError, match="Q2_K does not run as stored"):
+        from_gguf(np.zeros((4, 84), np.uint8), "Q2_K", (4, 256))
     with pytest.raises(ValueError, match="Q6_K tensor of shape"):
         from_gguf(np.zeros((4, 209), np.uint8), "Q6_K", (4, 256))
     with pytest.raises(ValueError, match="Q4_1 tensor of shape"):
@@ -141,6 +153,8 @@ WEIGHTS = {
     "Q4_0": lambda n, k: gguf_weight("Q4_0", n, k)[0],
     "Q4_1": lambda n, k: gguf_weight("Q4_1", n, k)[0],
     "Q5_0": lambda n, k: gguf_weight("Q5_0", n, k)[0],
+    "Q5_1": lambda n, k: gguf_weight("Q5_1", n, k)[0],
+    "Q5_K": lambda n, k: gguf_weight("Q5_K", n, k)[0],
     "Q8_0": lambda n, k: gguf_weight("Q8_0", n, k)[0],
     "Q4_K": lambda n, k: gguf_weight("Q4_K", n, k)[0],
     "Q6_K": lambda n, k: gguf_weight("Q6_K", n, k)[0],
@@ -172,7 +186,7 @@ def test_integer_kernels_match_their_arithmetic(path, fmt, m, n, k):
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "int4-g128"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "int4-g128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantized_path_is_the_float_product(path, fmt, dtype):
     w = WEIGHTS[fmt](45, 256)

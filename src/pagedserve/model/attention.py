@@ -13,7 +13,7 @@ from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.kv_cache_dtype import LayerKVCache
 from pagedserve.model.kv_int4 import KeyWritePlan
 
-KERNEL_HEAD_DIMS = (64, 128)  # what the C++ attention kernels are built for; other sizes take the PyTorch path
+KERNEL_HEAD_DIMS = (64, 128, 256)  # what the C++ attention kernels are built for; other sizes take the PyTorch path
 # The C++ prefill kernel's paths (csrc/prefill_attention.cpp), fastest last; `amx-emulated` runs the amx path's code
 # over tiles emulated in C++ (tests only), `torch` is the PyTorch path (SDPA per span).
 PREFILL_PATHS = {"portable": 1, "avx512": 2, "amx": 3, "amx-emulated": 4}

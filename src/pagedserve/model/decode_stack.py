@@ -23,10 +23,12 @@ from pagedserve.model.quant_linear import (
     gemm_path,
     kernel_path,
 )
+from pagedserve.model.sliding_window import HybridMetadata, WindowMetadata
 
 
-def build_decode_stack(model: Any) -> Any | None:
-    """The C++ stack over model's layers, or None when a layer needs the Python path."""
+def build_decode_stack(model: Any, stack_cls: str = "DecodeStack") -> Any | None:
+    """The C++ stack over model's layers, or None when a layer needs the Python path. stack_cls: DecodeStack
+    (Llama's layer) or GemmaDecodeStack (Gemma 3's: its layers give their norms, see models/gemma3.py)."""
     kernels, config = model.kernels, model.config
     if kernels is None or kernel_path() not in PATHS or config.head_dim not in KERNEL_HEAD_DIMS:
         return None
@@ -37,13 +39,13 @@ def build_decode_stack(model: Any) -> Any | None:
         return None
     amx_min_rows = few_rows_limit(torch.bfloat16) if gemm_path() == "amx" else 1 << 30
     attn = model.layers[0].self_attn
-    stack = kernels.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps, attn.scale,
-                                PATHS[kernel_path()], amx_min_rows)
+    stack = getattr(kernels, stack_cls)(attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps, attn.scale,
+                                        PATHS[kernel_path()], amx_min_rows)
     for layer, group in zip(model.layers, linears, strict=True):
         weights = [m.qweight for m in group]
-        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        [w.qweight for w in weights], [w.scales for w in weights], [w.mins for w in weights],
-                        [w.bits for w in weights], [w.group for w in weights], [w.hadamard for w in weights])
+        stack.add_layer(*layer.stack_norms(), [w.qweight for w in weights], [w.scales for w in weights],
+                        [w.mins for w in weights], [w.bits for w in weights], [w.group for w in weights],
+                        [w.hadamard for w in weights])
     return stack
 
 
@@ -64,3 +66,26 @@ def run_decode_stack(stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.
                          None if plan is None else plan.rows, None if plan is None else plan.completions,
                          [kv.k_tail for kv in kv_caches], [kv.k_offset for kv in kv_caches],
                          None if plan is None else kv_caches[0].tail_of_block)
+
+
+def layer_metas(meta: AttentionMetadata | HybridMetadata, num_layers: int) -> list[AttentionMetadata | WindowMetadata]:
+    """Each layer's metadata: its KV cache group's in a hybrid step (sliding_window.HybridMetadata)."""
+    return [meta.layer(i) for i in range(num_layers)] if isinstance(meta, HybridMetadata) else [meta] * num_layers
+
+
+def gemma_stack_takes(rows: int, metas: list[AttentionMetadata | WindowMetadata], kv_caches: list[LayerKVCache]) -> bool:
+    """stack_takes for GemmaDecodeStack: every group's rows are decodes, full-attention groups on the C++ kernel,
+    and no int4 KV (whose key tails follow one table per sequence)."""
+    limit = AMX_MAX_ROWS if gemm_path() == "amx" else DEQUANT_MIN_ROWS - 1
+    return (rows <= limit and not kv_caches[0].fmt.int4
+            and all(m.num_decodes == rows and (isinstance(m, WindowMetadata) or m.use_kernel) for m in metas))
+
+
+def run_gemma_decode_stack(stack: Any, x: torch.Tensor, global_rope: tuple[torch.Tensor, torch.Tensor],
+                           local_rope: tuple[torch.Tensor, torch.Tensor], metas: list[AttentionMetadata | WindowMetadata],
+                           block_size: int,
+                           kv_caches: list[LayerKVCache]) -> torch.Tensor:
+    tables = [m.decode_tables if isinstance(m, WindowMetadata) else m.decode_block_tables for m in metas]
+    return stack.forward(x, *global_rope, *local_rope, [m.slot_mapping for m in metas], tables,
+                         [m.decode_context_lens for m in metas], block_size, [kv.k for kv in kv_caches],
+                         [kv.v for kv in kv_caches], [kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches])

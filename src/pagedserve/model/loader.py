@@ -140,7 +140,9 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
     """Parsing a GGUF's metadata (and dequantizing it) takes seconds in Python, so the result is cached as
     safetensors: float32 tensors, or the planar quantized ones when they are kept."""
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CACHE_FORMAT}".encode()).hexdigest()[:16]
+    # The types that run as stored are part of the key: a cache made before a type joined them holds it dequantized.
+    stored = f":{','.join(GGUF_TYPES)}" if keep_quantized else ""
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CACHE_FORMAT}{stored}".encode()).hexdigest()[:16]
     cached = cache_dir() / f"{path.stem}-{key}{'-gguf' if keep_quantized else ''}"
     if (cached / "done").exists():
         return load_converted(cached)

@@ -2,7 +2,8 @@
 
 qweight [N, K] int8 (8 bits) or [N, K/2] uint8 (4 bits: in each 32-wide group byte j holds k = j in its low
 nibble and k = j + 16 in its high one, GGML's order), scales [N, K/group] fp32 and, for asymmetric 4 bits,
-mins [N, K/group]: w = scale * q + min. GGUF Q4_0, Q4_1 and Q8_0 convert to it without loss (their fp16
+mins [N, K/group] (4 bits, or 8 bits in groups of 32 or more): w = scale * q + min. GGUF Q4_0, Q4_1 and Q8_0 convert
+to it without loss (their fp16
 scales are exact in fp32); `int8` (per output channel, symmetric) and `int4` (per group, asymmetric,
 round-to-nearest) are quantized from float weights of any model. An `int8` weight that runs W8A8 (activations
 quantized per token, quant_linear.py) is quantized in a Hadamard basis over each 64 input channels (hadamard=64):
@@ -20,11 +21,9 @@ from pagedserve.model.kv_cache_dtype import hadamard as hadamard_transform
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")  # auto: quant_linear.resolve_quantization
 GGUF_BLOCK = 32
 K_BLOCK = 256  # the K-quants' super-block
-# GGUF type name -> (bytes per block, weights per block): the types that run as stored.
-# Q5_1 and Q5_K (5 bits with a minimum) would need 8-bit groups with mins, which the kernels do not read: they load
-# dequantized, as any other type does.
-GGUF_TYPES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
-              "Q6_K": (210, 256)}
+# GGUF type name -> (bytes per block, weights per block): the types that run as stored (any other loads dequantized).
+GGUF_TYPES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
+              "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
 
 @dataclass
@@ -86,8 +85,8 @@ class QuantizedWeight:
 def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
     """A GGUF tensor's raw blocks ([rows, bytes] uint8, as gguf.GGUFReader gives them) in planar layout, without
     loss: Q4_0 / Q4_1 / Q4_K as 4 bits in groups of 32 (a K-quant's 6-bit sub-block scales times its fp16
-    super-block scale are exact in fp32), Q8_0 and Q5_0 (q - 16) as 8 bits in groups of 32, Q6_K as 8 bits in
-    groups of 16."""
+    super-block scale are exact in fp32), Q8_0 and Q5_0 (q - 16) as 8 bits in groups of 32, Q5_1 and Q5_K (q of
+    0..31) as 8 bits in groups of 32 with mins, Q6_K as 8 bits in groups of 16."""
     if type_name not in GGUF_TYPES:
         raise ValueError(f"GGUF type {type_name} does not run as stored (supported: {', '.join(GGUF_TYPES)})")
     block_bytes, block = GGUF_TYPES[type_name]
@@ -98,6 +97,10 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
     if type_name == "Q4_K":
         q, scales, mins = _q4_k(blocks)
         return _planar_4bit(q.reshape(n, k), scales.reshape(n, -1), mins.reshape(n, -1), type_name)
+    if type_name == "Q5_K":
+        q, scales, mins = _q5_k(blocks)
+        return QuantizedWeight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales.reshape(n, -1)),
+                               torch.from_numpy(mins.reshape(n, -1)), 8, GGUF_BLOCK, type_name)
     if type_name == "Q6_K":
         q, scales = _q6_k(blocks)
         return QuantizedWeight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales.reshape(n, -1)), None, 8,
@@ -108,6 +111,11 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
         q = blocks[:, 2:].copy().view(np.int8) if type_name == "Q8_0" else _q5_0(blocks)
         return QuantizedWeight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales), None, 8, GGUF_BLOCK,
                                type_name)
+    if type_name == "Q5_1":
+        mins = blocks[:, 2:4].copy().view(np.float16)[:, 0].reshape(n, -1)
+        q = _five_bits(blocks[:, 4:]).astype(np.int8)
+        return QuantizedWeight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales), torch.from_numpy(mins), 8,
+                               GGUF_BLOCK, type_name)
     if type_name == "Q4_1":
         mins = blocks[:, 2:4].copy().view(np.float16)[:, 0].reshape(n, -1)
         payload = blocks[:, 4:]
@@ -122,13 +130,17 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
 
 
 def _q5_0(blocks: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles) -> q - 16 as int8 [blocks, 32], in k order:
+    """Q5_0 blocks (fp16 d, then the 5-bit values) -> q - 16 as int8 [blocks, 32], in k order."""
+    return _five_bits(blocks[:, 2:]).astype(np.int8) - 16
+
+
+def _five_bits(payload: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 values (32 high bits, 16 bytes of low nibbles) -> q (0..31) as uint8 [blocks, 32], in k order:
     element j's low nibble is byte j % 16's low (j < 16) or high half, its fifth bit is bit j of the high bits."""
-    high = blocks[:, 2:6].copy().view("<u4")  # [blocks, 1]
+    high = payload[:, 0:4].copy().view("<u4")  # [blocks, 1]
     bit4 = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-    low = blocks[:, 6:22]
-    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=1)
-    return (nibbles | bit4).astype(np.int8) - 16
+    low = payload[:, 4:20]
+    return np.concatenate([low & 0x0F, low >> 4], axis=1) | bit4
 
 
 def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -140,6 +152,16 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     return (qs & 0x0F).reshape(-1, K_BLOCK), d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _q5_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K super-blocks -> (q (0..31) as int8 [blocks, 256] in k order, scales and mins [blocks, 8] fp32): Q4_K's
+    scales and nibbles, plus a fifth bit per value, bit i of the 32 qh bytes for the values of sub-block i."""
+    _, scales, mins = _q4_k(np.concatenate([blocks[:, :16], blocks[:, 48:]], axis=1))
+    nibbles = blocks[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    high = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = (nibbles & 0x0F).reshape(-1, 8, 32) | ((high & 1) << 4)
+    return q.reshape(-1, K_BLOCK).astype(np.int8), scales, mins
 
 
 def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

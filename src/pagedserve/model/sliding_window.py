@@ -3,16 +3,23 @@
 A sliding layer's query at position p sees the keys at p - window + 1 .. p (as transformers masks them). Its KV
 cache group (engine/kv_cache.py) frees the blocks no query can see any more, so its block tables hold only the
 blocks from the window's first one on: each row gathers those, and a mask on absolute positions does the rest.
-The C++ attention kernels have no window yet; until they do, these layers take this path in every dtype.
+On the bf16 fast path the C++ kernels take the same tables instead: positions counted from the table's first key,
+each query sees its last `window` keys.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model.attention import AttentionMetadata
+from pagedserve.model.attention import (
+    KERNEL_HEAD_DIMS,
+    PREFILL_PATHS,
+    AttentionMetadata,
+    prefill_attention_path,
+)
 from pagedserve.model.kv_cache_dtype import LayerKVCache
 
 
@@ -36,6 +43,9 @@ class WindowMetadata:
     decode_key_start: torch.Tensor  # int64 [num_decodes]: position of each table's first key
     decode_positions: torch.Tensor  # int64 [num_decodes]: the query's position
     spans: list[WindowSpan]
+    decode_context_lens: torch.Tensor | None = None  # int64 [num_decodes]: keys in each table up to the query's
+    prefill_spans: torch.Tensor | None = None  # int64 [S, 3]: (start, num_tokens, first_pos - key_start) per span
+    prefill_tables: torch.Tensor | None = None  # int64 [S, max_blocks]: their block tables, zero-padded
 
 
 @dataclass(slots=True)
@@ -66,16 +76,28 @@ def window_metadata(rows: list[tuple[int, int, list[int]]], num_decodes: int, sl
         start += n
     width = max((len(t) for t in tables), default=1)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(-1, width)
-    return WindowMetadata(torch.tensor(slots, dtype=torch.long), window, num_decodes, padded,
-                          torch.tensor(key_starts, dtype=torch.long), torch.tensor(positions, dtype=torch.long), spans)
+    meta = WindowMetadata(torch.tensor(slots, dtype=torch.long), window, num_decodes, padded,
+                          torch.tensor(key_starts, dtype=torch.long), torch.tensor(positions, dtype=torch.long), spans,
+                          torch.tensor([p + 1 - k for p, k in zip(positions, key_starts)], dtype=torch.long))
+    if spans:
+        meta.prefill_spans = torch.tensor([[s.start, s.num_tokens, s.first_pos - s.key_start] for s in spans],
+                                          dtype=torch.long)
+        meta.prefill_tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in spans], batch_first=True)
+    return meta
 
 
 def window_attention(q: torch.Tensor, cache: LayerKVCache, meta: WindowMetadata, block_size: int,
-                     scale: float) -> torch.Tensor:
-    """q: [T, H, d] (this step's keys already in the cache). Returns [T, H, d]."""
+                     scale: float, fused: Any | None = None) -> torch.Tensor:
+    """q: [T, H, d] (this step's keys already in the cache). Returns [T, H, d].
+    fused: the bf16 C++ ops (the model's fast path): their decode and prefill kernels, windowed, replace PyTorch's."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
-    if nd:
+    kernel = fused is not None and q.shape[-1] in KERNEL_HEAD_DIMS and not cache.fmt.int4
+    if nd and kernel:
+        out[:nd] = fused.paged_decode_attention(q[:nd], cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                                meta.decode_tables, meta.decode_context_lens, block_size, scale,
+                                                window=meta.window)
+    elif nd:
         k, v = cache.gather(meta.decode_tables, block_size, q.dtype)  # [B, L, KV, d]
         b, length, kv, d = k.shape
         key_pos = meta.decode_key_start.unsqueeze(1) + torch.arange(length)
@@ -85,6 +107,11 @@ def window_attention(q: torch.Tensor, cache: LayerKVCache, meta: WindowMetadata,
         scores.masked_fill_(~visible.view(b, 1, 1, length), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out[:nd] = torch.matmul(probs, v.transpose(1, 2)).reshape(b, -1, d)
+    path = prefill_attention_path() if kernel and meta.spans else "torch"
+    if path != "torch":
+        fused.prefill_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.prefill_spans,
+                                meta.prefill_tables, block_size, scale, out, path=PREFILL_PATHS[path], window=meta.window)
+        return out
     for s in meta.spans:
         rows = slice(s.start, s.start + s.num_tokens)
         k, v = cache.gather(s.block_table, block_size, q.dtype)

@@ -7,15 +7,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_tail") = py::none(),
-        py::arg("tail_of_block") = py::none());
+        py::arg("tail_of_block") = py::none(), py::arg("window") = 0);
   m.def("prefill_attention_paths", &prefill_attention_paths,
         "prefill attention paths built for this CPU (1 portable, 2 AVX-512 BF16, 3 AMX, 4 AMX emulated)");
   m.def("prefill_attention", &prefill_attention, "causal bf16 attention of all prefill spans over the paged KV pool",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("spans"),
         py::arg("block_tables"), py::arg("block_size"), py::arg("scale"), py::arg("out"),
-        py::arg("k_tail") = py::none(), py::arg("tail_of_block") = py::none(), py::arg("path") = -1);
+        py::arg("k_tail") = py::none(), py::arg("tail_of_block") = py::none(), py::arg("path") = -1,
+        py::arg("window") = 0);
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] bf16 projection");
+  m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm of bf16 rows by 1 + w (fp32), optionally + residual",
+        py::arg("x"), py::arg("scale"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("gemma_qk_norm", &gemma_qk_norm, "Gemma's RMSNorm of each q and k head of a fused bf16 qkv, in place");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up of a fused [gate | up] bf16 projection");
   m.def("quant_paths", &quant_paths, "quantized-matmul paths built for this CPU (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
   m.def("quant_linear", &quant_linear, "x @ W^T (+ residual) over planar int8/int4 weights, activations quantized per 32",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),

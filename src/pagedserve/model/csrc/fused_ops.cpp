@@ -80,6 +80,94 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Gemma's RMSNorm: x / rms(x) * scale in fp32, rounded once (scale = 1 + w, fp32 [H], as transformers computes
+// it). x: [T, H] (rows may be strided). With residual ([T, H] contiguous): residual + the norm, the norm rounded to
+// bf16 first as the PyTorch layer rounds it (Gemma's norms after attention and the MLP). Returns a new [T, H].
+torch::Tensor gemma_rms_norm(torch::Tensor x, torch::Tensor scale, double eps, c10::optional<torch::Tensor> residual) {
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == x.size(1),
+              "x must be [T, H] and scale float32 [H]");
+  TORCH_CHECK(!residual || (residual->scalar_type() == torch::kBFloat16 && residual->is_contiguous() &&
+                            residual->sizes() == x.sizes()), "residual must be a contiguous bf16 [T, H]");
+  const int64_t rows = x.size(0), h = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({rows, h}, x.options());
+  const uint16_t* xp = bits(x);
+  const uint16_t* rp = residual ? bits(*residual) : nullptr;
+  const float* wp = scale.data_ptr<float>();
+  uint16_t* op = bits_mut(out);
+  at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* xr = xp + r * ld;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) { const float v = bf16_to_float(xr[i]); ss += v * v; }
+      const float inv = 1.f / std::sqrt(ss / h + static_cast<float>(eps));
+      uint16_t* o = op + r * h;
+      if (rp == nullptr) {
+#pragma omp simd
+        for (int64_t i = 0; i < h; ++i) o[i] = float_to_bf16(bf16_to_float(xr[i]) * inv * wp[i]);
+      } else {
+        const uint16_t* res = rp + r * h;
+#pragma omp simd
+        for (int64_t i = 0; i < h; ++i)
+          o[i] = float_to_bf16(bf16_to_float(res[i]) + bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv * wp[i])));
+      }
+    }
+  });
+  return out;
+}
+
+// Gemma's QK-norm in place: each q and k head of qkv ([T, (H + 2 KV) * D], rows may be strided) becomes
+// head / rms(head) * scale (q_scale, k_scale: fp32 [D], 1 + w), rounded once.
+void gemma_qk_norm(torch::Tensor qkv, torch::Tensor q_scale, torch::Tensor k_scale, int64_t num_heads,
+                   int64_t num_kv_heads, double eps) {
+  check_bf16(qkv, "qkv");
+  const int64_t d = q_scale.size(0), rows = qkv.size(0), ld = qkv.stride(0);
+  TORCH_CHECK(q_scale.scalar_type() == torch::kFloat && k_scale.scalar_type() == torch::kFloat &&
+              q_scale.is_contiguous() && k_scale.is_contiguous() && k_scale.size(0) == d &&
+              qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "shapes do not match");
+  uint16_t* base = bits_mut(qkv);
+  const float *qs = q_scale.data_ptr<float>(), *ks = k_scale.data_ptr<float>();
+  at::parallel_for(0, rows, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {
+        uint16_t* x = base + t * ld + head * d;
+        const float* w = head < num_heads ? qs : ks;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < d; ++i) { const float v = bf16_to_float(x[i]); ss += v * v; }
+        const float inv = 1.f / std::sqrt(ss / d + static_cast<float>(eps));
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) x[i] = float_to_bf16(bf16_to_float(x[i]) * inv * w[i]);
+      }
+  });
+}
+
+// gate_up: [T, 2I] = [gate | up]. Returns gelu(gate) * up with the tanh GELU (GeGLU: Gemma), [T, I]:
+// 0.5 (1 + tanh u) = sigmoid(2u), so one exp per element.
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2I]");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const uint16_t* gp = bits(gate_up);
+  uint16_t* op = bits_mut(out);
+  constexpr float kTwoRoot2OverPi = 2.f * 0.7978845608028654f;
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t *g = gp + r * ld, *u = g + n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = bf16_to_float(g[i]);
+        // exp(-2u) capped at exp(80) (gelu there is ~0): past it, fast-math's exp overflows to garbage.
+        const float two_u = std::max(kTwoRoot2OverPi * (a + 0.044715f * a * a * a), -80.f);
+        op[r * n + i] = float_to_bf16(a / (1.f + std::exp(-two_u)) * bf16_to_float(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
 // Rotate-half RoPE of one token's q and k heads (bf16, in place).
 static inline void rope_row(uint16_t* row, const float* c, const float* s, int64_t heads, int64_t d) {
   const int64_t half = d / 2;

@@ -10,9 +10,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, c10::optional<torch::Tensor> k_tail,
-                                     c10::optional<torch::Tensor> tail_of_block);
+                                     c10::optional<torch::Tensor> tail_of_block, int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gemma_rms_norm(torch::Tensor x, torch::Tensor scale, double eps, c10::optional<torch::Tensor> residual);
+void gemma_qk_norm(torch::Tensor qkv, torch::Tensor q_scale, torch::Tensor k_scale, int64_t num_heads,
+                   int64_t num_kv_heads, double eps);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                     torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
                     torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads);
@@ -39,7 +43,8 @@ std::vector<int64_t> prefill_attention_paths();
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, torch::Tensor spans,
                        torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out,
-                       c10::optional<torch::Tensor> k_tail, c10::optional<torch::Tensor> tail_of_block, int64_t path);
+                       c10::optional<torch::Tensor> k_tail, c10::optional<torch::Tensor> tail_of_block, int64_t path,
+                       int64_t window);
 
 void lora_sgmv(torch::Tensor y, torch::Tensor x, torch::Tensor index, torch::Tensor seg_starts, torch::Tensor seg_slots,
                torch::Tensor a, torch::Tensor b);

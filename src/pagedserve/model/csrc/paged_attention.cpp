@@ -31,6 +31,13 @@ inline void to_float<at::BFloat16, 128>(const at::BFloat16* __restrict__ src, fl
   for (int i = 0; i < 128; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
+template <>
+inline void to_float<at::BFloat16, 256>(const at::BFloat16* __restrict__ src, float* __restrict__ dst) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int i = 0; i < 256; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
 template <int D>
 static inline float dot(const float* __restrict__ a, const float* __restrict__ b) {
   float s = 0.f;
@@ -54,7 +61,13 @@ struct PlainRowReader {
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, block_size, max_blocks, q_row_stride;
   float scale;
+  int64_t window;  // > 0: each query sees only the last `window` of its tokens (a sliding-window layer)
 };
+
+// The first token a query over len tokens sees.
+static inline int64_t first_visible(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
 
 // One (sequence, kv head) pair: its `group` query heads attend over `len` cached tokens.
 template <typename scalar_t, typename Reader, int D>
@@ -65,26 +78,31 @@ static void attend_one(const scalar_t* q, const Reader& k_cache, const Reader& v
   alignas(64) float qf[8][D];
   alignas(64) float acc[8][D];
   alignas(64) float row[D];
-  scores.resize(group * len);
+  // Tokens before the window's first are never read: the cache may have given their blocks back.
+  const int64_t first = first_visible(len, s.window);
+  table += first / s.block_size;
+  const int64_t skip = first / s.block_size * s.block_size, lo = first - skip;
+  len -= skip;
+  scores.assign(group * len, 0.f);
   for (int64_t g = 0; g < group; ++g) {
     to_float<scalar_t, D>(q + seq * s.q_row_stride + (kvh * group + g) * D, qf[g]);
     for (int i = 0; i < D; ++i) qf[g][i] *= s.scale;
   }
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = lo; t < len; ++t) {
     const int64_t slot = table[t / s.block_size] * s.block_size + t % s.block_size;
     k_cache.template load<D>(slot, kvh, row);
     for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot<D>(qf[g], row);
   }
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores.data() + g * len;
-    const float mx = *std::max_element(sg, sg + len);
+    const float mx = *std::max_element(sg + lo, sg + len);
     float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+    for (int64_t t = lo; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
     const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    for (int64_t t = lo; t < len; ++t) sg[t] *= inv;
     std::fill(acc[g], acc[g] + D, 0.f);
   }
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = lo; t < len; ++t) {
     const int64_t slot = table[t / s.block_size] * s.block_size + t % s.block_size;
     v_cache.template load<D>(slot, kvh, row);
     for (int64_t g = 0; g < group; ++g) {
@@ -175,9 +193,10 @@ struct HeadView {
 // One (sequence, kv head) pair in one pass (flash-decoding's online softmax), a 16-token block at a time:
 // q.k by AVX-512 BF16 dot products straight from the cache (quantized rows widened to bf16 in registers, their
 // scales applied to the fp32 scores and probabilities), fp32 softmax and accumulation.
+// Tokens before first (a sliding window's) are masked, and blocks wholly before it never read.
 template <int D, int G, KVKind K>
 static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* table, int64_t len, uint16_t* out,
-                        int64_t block_size, float scale) {
+                        int64_t block_size, float scale, int64_t first) {
   constexpr int C = D / 32;  // bf16 vectors per row
   constexpr int F = D / 16;  // fp32 vectors per row
   constexpr int64_t kElem = K == KVKind::kPlain ? 2 : 1;
@@ -198,9 +217,13 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
   alignas(64) float p[G][16];
   // 16-token chunks never straddle a block when block_size is a multiple of 16; otherwise go token by token.
   const bool whole = block_size % 16 == 0;
+  table += first / block_size;
+  len -= first / block_size * block_size;
+  const int64_t lo = first % block_size;  // the first visible token in the shifted table
   auto slot = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+  for (int64_t t0 = lo / 16 * 16; t0 < len; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - t0);
+    const int64_t j0 = std::max<int64_t>(0, lo - t0);
     const int64_t base = whole ? slot(t0) : 0;
     if (whole && t0 + 16 < len) {  // blocks are scattered in the pool: fetch the next one while this one computes
       const int64_t next = slot(t0 + 16), rows = std::min<int64_t>(16, len - t0 - 16);
@@ -220,7 +243,9 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
     }
     alignas(64) float sc[G][16];
     alignas(64) float v_scale[16];
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < j0; ++j)
+      for (int g = 0; g < G; ++g) sc[g][j] = 0.f;
+    for (int64_t j = j0; j < n; ++j) {
       const int64_t sl = whole ? base + j : slot(t0 + j);
       const uint8_t* k = hv.k + sl * hv.row_bytes;
       __m512bh kv[C];
@@ -233,7 +258,7 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
         sc[g][j] = _mm512_reduce_add_ps(d) * ks;
       }
     }
-    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 live = static_cast<__mmask16>(((1u << n) - 1) & ~((1u << j0) - 1));
     for (int g = 0; g < G; ++g) {
       const __m512 s =
           _mm512_mask_mul_ps(_mm512_set1_ps(kNegative), live, _mm512_loadu_ps(sc[g]), _mm512_set1_ps(scale));
@@ -248,7 +273,7 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
       const __m512 cv = _mm512_set1_ps(correction);
       for (int f = 0; f < F; ++f) acc[g][f] = _mm512_mul_ps(acc[g][f], cv);
     }
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < n; ++j) {
       const uint8_t* v = hv.v + (whole ? base + j : slot(t0 + j)) * hv.row_bytes;
       __m512 vf[F];
       for (int f = 0; f < F; ++f) vf[f] = load_f32x16<K>(v + f * 16 * kElem);
@@ -272,27 +297,27 @@ static void attend_bf16(const uint16_t* q, const HeadView& hv, const int64_t* ta
 // Dispatches on the group size (query heads per KV head) so the per-head arrays live in registers.
 template <int D, KVKind K>
 static bool attend_bf16_group(int64_t group, const uint16_t* q, const HeadView& hv, const int64_t* table, int64_t len,
-                              uint16_t* out, int64_t block_size, float scale) {
+                              uint16_t* out, int64_t block_size, float scale, int64_t first) {
   switch (group) {
-    case 1: attend_bf16<D, 1, K>(q, hv, table, len, out, block_size, scale); return true;
-    case 2: attend_bf16<D, 2, K>(q, hv, table, len, out, block_size, scale); return true;
-    case 3: attend_bf16<D, 3, K>(q, hv, table, len, out, block_size, scale); return true;
-    case 4: attend_bf16<D, 4, K>(q, hv, table, len, out, block_size, scale); return true;
-    case 8: attend_bf16<D, 8, K>(q, hv, table, len, out, block_size, scale); return true;
+    case 1: attend_bf16<D, 1, K>(q, hv, table, len, out, block_size, scale, first); return true;
+    case 2: attend_bf16<D, 2, K>(q, hv, table, len, out, block_size, scale, first); return true;
+    case 3: attend_bf16<D, 3, K>(q, hv, table, len, out, block_size, scale, first); return true;
+    case 4: attend_bf16<D, 4, K>(q, hv, table, len, out, block_size, scale, first); return true;
+    case 8: attend_bf16<D, 8, K>(q, hv, table, len, out, block_size, scale, first); return true;
     default: return false;
   }
 }
 
 template <int D>
 static bool attend_bf16_any(KVKind kind, int64_t group, const uint16_t* q, const HeadView& hv, const int64_t* table,
-                            int64_t len, uint16_t* out, int64_t block_size, float scale) {
+                            int64_t len, uint16_t* out, int64_t block_size, float scale, int64_t first) {
   switch (kind) {
-    case KVKind::kPlain: return attend_bf16_group<D, KVKind::kPlain>(group, q, hv, table, len, out, block_size, scale);
-    case KVKind::kInt8: return attend_bf16_group<D, KVKind::kInt8>(group, q, hv, table, len, out, block_size, scale);
+    case KVKind::kPlain: return attend_bf16_group<D, KVKind::kPlain>(group, q, hv, table, len, out, block_size, scale, first);
+    case KVKind::kInt8: return attend_bf16_group<D, KVKind::kInt8>(group, q, hv, table, len, out, block_size, scale, first);
     case KVKind::kFp8E4M3:
-      return attend_bf16_group<D, KVKind::kFp8E4M3>(group, q, hv, table, len, out, block_size, scale);
+      return attend_bf16_group<D, KVKind::kFp8E4M3>(group, q, hv, table, len, out, block_size, scale, first);
     case KVKind::kFp8E5M2:
-      return attend_bf16_group<D, KVKind::kFp8E5M2>(group, q, hv, table, len, out, block_size, scale);
+      return attend_bf16_group<D, KVKind::kFp8E5M2>(group, q, hv, table, len, out, block_size, scale, first);
     case KVKind::kInt4: return false;
   }
   return false;
@@ -331,7 +356,7 @@ static void decode(const scalar_t* q, const Reader& k_cache, const Reader& v_cac
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t seq = idx / s.num_kv_heads, kvh = idx % s.num_kv_heads;
 #ifdef PAGEDSERVE_BF16_DECODE
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<Reader, QuantRowReader>) {
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<Reader, QuantRowReader> && D <= 128) {
         if (k_cache.kind == KVKind::kInt4 && s.block_size == 16 &&
             attend_int4_group<D>(group, reinterpret_cast<const uint16_t*>(q + seq * s.q_row_stride + kvh * group * D),
                                  int4_head(k_cache, v_cache, kvh, D), block_tables + seq * s.max_blocks,
@@ -345,7 +370,7 @@ static void decode(const scalar_t* q, const Reader& k_cache, const Reader& v_cac
                                reinterpret_cast<const uint16_t*>(q + seq * s.q_row_stride + kvh * group * D),
                                head_view(k_cache, v_cache, kvh, D), block_tables + seq * s.max_blocks,
                                context_lens[seq], reinterpret_cast<uint16_t*>(out + (seq * s.num_heads + kvh * group) * D),
-                               s.block_size, s.scale))
+                               s.block_size, s.scale, first_visible(context_lens[seq], s.window)))
           continue;
       }
 #endif
@@ -360,35 +385,40 @@ static void decode(const scalar_t* q, const Reader& k_cache, const Reader& v_cac
 // block_tables: [B, max_blocks] int64; context_lens: [B] int64 (tokens to attend, the current one included).
 // int4: uint8 caches [slots, KV, D / 2], k_scale / v_scale its uint8 parameters, k_tail and tail_of_block the
 // partial blocks' keys (kv_quant.h); 16-token blocks of bf16 queries take attend_int4, others are read row by row.
-// Returns [B, H, D]. D is 64 or 128; at most 8 query heads per KV head.
+// window > 0: each query sees only its last `window` tokens (a sliding-window layer; the table's blocks before them
+// may be freed). Returns [B, H, D]. D is 64, 128 or 256; at most 8 query heads per KV head.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, c10::optional<torch::Tensor> k_tail,
-                                     c10::optional<torch::Tensor> tail_of_block) {
+                                     c10::optional<torch::Tensor> tail_of_block, int64_t window) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches must share a format");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row [H, D] must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "block_tables and context_lens must be int64");
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "head_dim must be 64, 128 or 256");
   const KVKind kind = kv_kind(k_cache, q);
+  TORCH_CHECK(window == 0 || kind != KVKind::kInt4, "int4 KV has no sliding window");
   TORCH_CHECK(k_cache.size(2) * (kind == KVKind::kInt4 ? 2 : 1) == head_dim, "cache rows must be head_dim wide");
   TORCH_CHECK(q.size(1) / k_cache.size(1) <= 8, "at most 8 query heads per KV head");
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), head_dim}, q.options());
   const int64_t kv = k_cache.size(1);
-  Shape s{q.size(0), q.size(1), kv, block_size, bt.size(1), q.stride(0), static_cast<float>(scale)};
+  Shape s{q.size(0), q.size(1), kv, block_size, bt.size(1), q.stride(0), static_cast<float>(scale), window};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](const auto& kr, const auto& vr) {
       using Reader = std::decay_t<decltype(kr)>;
       if (head_dim == 64)
         decode<scalar_t, Reader, 64>(q.data_ptr<scalar_t>(), kr, vr, bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(),
                                      out.data_ptr<scalar_t>(), s);
-      else
+      else if (head_dim == 128)
         decode<scalar_t, Reader, 128>(q.data_ptr<scalar_t>(), kr, vr, bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(),
+                                      out.data_ptr<scalar_t>(), s);
+      else
+        decode<scalar_t, Reader, 256>(q.data_ptr<scalar_t>(), kr, vr, bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(),
                                       out.data_ptr<scalar_t>(), s);
     };
     if (kind != KVKind::kPlain) {

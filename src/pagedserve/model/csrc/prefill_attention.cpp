@@ -52,6 +52,7 @@ struct Span {
 struct Shape {
   int64_t heads, kv_heads, group, block_size, q_stride;
   float c;  // softmax scale times log2(e): probabilities are 2^(c (s - max))
+  int64_t window;  // > 0: each query sees only its last `window` keys (a sliding-window layer)
 };
 
 // One span's keys and values for one KV head, packed (see pack_bf16 / pack_f32).
@@ -142,10 +143,10 @@ void pack_f32(const Source& src, int64_t head, const int64_t* slots, int64_t n, 
 }
 
 // Rows of one task: token i of the tile and query head g of the group are row i * group + g. Rows are in causal
-// order: each sees keys below its limit, and limits never decrease along the rows.
+// order: each sees the keys from its first up to its limit, and neither decreases along the rows.
 struct Rows {
   int64_t n = 0, padded = 0;
-  std::vector<int64_t> limit;
+  std::vector<int64_t> limit, first;
   std::vector<float> m, l_storage, o_storage;
   float* o = nullptr;  // [padded][D], 64-byte aligned
   float* l = nullptr;  // [padded][16]: each row's sum of probabilities in 16 partial sums, 64-byte aligned
@@ -154,6 +155,7 @@ struct Rows {
     n = rows;
     padded = (rows + pad_to - 1) / pad_to * pad_to;
     limit.assign(padded, 0);  // padding rows see nothing
+    first.assign(padded, 0);
     m.assign(padded + 4, -1e30f);  // read four rows at a time
     l_storage.assign(padded * 16 + 16, 0.f);
     o_storage.assign(padded * d + 16, 0.f);
@@ -176,6 +178,7 @@ inline void task_rows(const Task& t, const Span& sp, const Group& g, const Shape
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t h = 0; h < s.group; ++h) {
       rows.limit[i * s.group + h] = sp.context_len + t.q0 + i + 1;
+      rows.first[i * s.group + h] = s.window > 0 ? std::max<int64_t>(0, rows.limit[i * s.group + h] - s.window) : 0;
       qrow[i * s.group + h] = q + (sp.start + t.q0 + i) * s.q_stride + (g.head * s.group + h) * d;
     }
 }
@@ -249,14 +252,17 @@ inline void rows_portable(const float* q, Rows& rows, int64_t r0, const float* k
   for (int r = 0; r < R; ++r) {
     const int64_t row = r0 + r;
     const int32_t visible = static_cast<int32_t>(std::clamp<int64_t>(rows.limit[row] - k0, 0, kKB));
-    if (visible == 0) {
+    const int32_t hidden = static_cast<int32_t>(std::clamp<int64_t>(rows.first[row] - k0, 0, kKB));
+    if (visible <= hidden) {
       corr[r] = 1.f;
       std::fill(p[r], p[r] + kKB, 0.f);
       continue;
     }
+    ivec live[kKV];
     fvec top = fvec{} - 1e30f;
     for (int x = 0; x < kKV; ++x) {
-      s[r][x] = lane + x * kW < visible ? s[r][x] : fvec{} - 1e30f;
+      live[x] = (lane + x * kW < visible) & (lane + x * kW >= hidden);
+      s[r][x] = live[x] ? s[r][x] : fvec{} - 1e30f;
       top = top > s[r][x] ? top : s[r][x];
     }
     float& m = rows.m[row];
@@ -266,7 +272,7 @@ inline void rows_portable(const float* q, Rows& rows, int64_t r0, const float* k
     m = mx;
     fvec sum = fvec{};
     for (int x = 0; x < kKV; ++x) {
-      const fvec e = lane + x * kW < visible ? exp2_probability_v(s[r][x] * c - mx * c) : fvec{};
+      const fvec e = live[x] ? exp2_probability_v(s[r][x] * c - mx * c) : fvec{};
       sum += e;
       storev(p[r] + x * kW, e);
     }
@@ -293,7 +299,7 @@ void task_portable(const Task& t, const Span& sp, const Group& g, const Shape& s
   for (int64_t r = 0; r < rows.n; ++r)
     for (int d = 0; d < D; ++d) qf[r * D + d] = widen_bf16(qrow[r][d]);
   const int64_t keys = rows.limit[rows.n - 1], blocks = (keys + kKB - 1) / kKB;
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = rows.first[0] / kKB; b < blocks; ++b) {
     const int64_t k0 = b * kKB;
     const float* kt = reinterpret_cast<const float*>(g.packed + b * block_bytes<D>(false));
     int64_t r = rows.first_live(k0);
@@ -368,7 +374,8 @@ inline __m512 rowmax4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 inline __m512 group_lane(__m512 v, int r) { return _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), v); }
 
 // The online softmax's update of R rows (R <= 4) by their scores against one block (s[r][0]: keys 0-15, s[r][1]:
-// 16-31). Row r0 + r sees the block's first limit[r0 + r] - k0 keys (all of them off the diagonal). Sets p[r] to the
+// 16-31). Row r0 + r sees the block's keys from first[r0 + r] - k0 to limit[r0 + r] - k0 (all of them unless
+// `diagonal`: on the causal diagonal or a window's edge). Sets p[r] to the
 // probabilities as 32 bf16 in key order and corr[r] to the factor the row's output so far is to be scaled by; the
 // running maxima (m, one per row) and sums (l, 16 lanes per row, added up at the end) are updated in place.
 template <int R>
@@ -380,7 +387,9 @@ inline void softmax_rows(__m512 (&s)[R][2], const Rows& rows, int64_t r0, int64_
     keep[r][0] = keep[r][1] = 0xFFFF;
     if (diagonal) {
       const int64_t visible = std::clamp<int64_t>(rows.limit[r0 + r] - k0, 0, kKB);
-      const __mmask32 k = visible >= kKB ? ~__mmask32(0) : (__mmask32(1) << visible) - 1;
+      const int64_t hidden = std::clamp<int64_t>(rows.first[r0 + r] - k0, 0, kKB);
+      const __mmask32 below = visible >= kKB ? ~__mmask32(0) : (__mmask32(1) << visible) - 1;
+      const __mmask32 k = below & ~(hidden >= kKB ? ~__mmask32(0) : (__mmask32(1) << hidden) - 1);
       keep[r][0] = static_cast<__mmask16>(k);
       keep[r][1] = static_cast<__mmask16>(k >> 16);
       s[r][0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegative), keep[r][0], s[r][0]);
@@ -436,7 +445,8 @@ inline void rows_avx512(const uint16_t* const* q, Rows& rows, int64_t r0, const 
   }
   alignas(64) uint32_t p[R][kKB / 2];
   __m512 corr[R];
-  const bool diagonal = rows.limit[r0] < k0 + kKB;  // limits grow along the rows: the first is the smallest
+  // Limits and firsts grow along the rows: the first row's limit is the smallest, the last row's first the largest.
+  const bool diagonal = rows.limit[r0] < k0 + kKB || rows.first[r0 + R - 1] > k0;
   softmax_rows<R>(s, rows, r0, k0, diagonal, c, rows.m.data(), rows.l, p, corr);
   asm volatile("" : : "r"(p) : "memory");  // p is read back by broadcasts from memory, not shuffled out of registers
   for (int f0 = 0; f0 < D / 16; f0 += 4) {
@@ -470,7 +480,7 @@ void task_avx512(const Task& t, const Span& sp, const Group& g, const Shape& s, 
                  Rows& rows, std::vector<const uint16_t*>& qrow) {
   task_rows(t, sp, g, s, q, D, 1, rows, qrow);
   const int64_t keys = rows.limit[rows.n - 1], blocks = (keys + kKB - 1) / kKB;
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = rows.first[0] / kKB; b < blocks; ++b) {
     const int64_t k0 = b * kKB;
     const uint32_t* kt = reinterpret_cast<const uint32_t*>(g.packed + b * block_bytes<D>(true));
     int64_t r = rows.first_live(k0);
@@ -556,7 +566,7 @@ void task_tiles(const Task& t, const Span& sp, const Group& g, const Shape& s, c
   buf.q = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.q_storage.data()) + 63) & ~uintptr_t(63));
   for (int64_t r = 0; r < rows.n; ++r) std::memcpy(buf.q + r * D, qrow[r], D * 2);
   const int64_t keys = rows.limit[rows.n - 1], blocks = (keys + kKB - 1) / kKB;
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = rows.first[0] / kKB; b < blocks; ++b) {
     const int64_t k0 = b * kKB;
     const uint32_t* kt = reinterpret_cast<const uint32_t*>(g.packed + b * block_bytes<D>(true));
     const uint32_t* vp = kt + D / 2 * kKB;
@@ -578,7 +588,8 @@ void task_tiles(const Task& t, const Span& sp, const Group& g, const Shape& s, c
           sc[r][0] = _mm512_load_ps(buf.s[g4 + r]);
           sc[r][1] = _mm512_load_ps(buf.s[g4 + r] + 16);
         }
-        const bool diagonal = rows.limit[r0 + g4] < k0 + kKB || r0 + g4 + 4 > rows.n;
+        const bool diagonal =
+            rows.limit[r0 + g4] < k0 + kKB || r0 + g4 + 4 > rows.n || rows.first[r0 + g4 + 3] > k0;
         softmax_rows<4>(sc, rows, r0 + g4, k0, diagonal, s.c, rows.m.data(), rows.l, &buf.p[g4],
                         *reinterpret_cast<__m512(*)[4]>(&buf.corr[g4]));
       }
@@ -727,11 +738,13 @@ std::vector<int64_t> prefill_attention_paths() {
 // q: [T, H, D] bf16 (rows may be strided, each [H, D] contiguous); k_cache, v_cache: [slots, KV, D], bf16 or fp8 /
 // int8 / int4 with their scales (kv_quant.h), holding every span's keys, this step's included; spans: [S, 3] int64 rows
 // (first row in q, new tokens, tokens already cached); block_tables: [S, max_blocks] int64. Writes the spans' rows
-// of out ([T, H, D], contiguous). path: a Path, or -1 for the fastest this CPU runs.
+// of out ([T, H, D], contiguous). path: a Path, or -1 for the fastest this CPU runs. window > 0: each query sees
+// only its last `window` keys (a sliding-window layer).
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, torch::Tensor spans,
                        torch::Tensor block_tables, int64_t block_size, double scale, torch::Tensor out,
-                       c10::optional<torch::Tensor> k_tail, c10::optional<torch::Tensor> tail_of_block, int64_t path) {
+                       c10::optional<torch::Tensor> k_tail, c10::optional<torch::Tensor> tail_of_block, int64_t path,
+                       int64_t window) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "prefill_attention is for bfloat16");
   const KVKind kind = kv_kind(k_cache, q);
@@ -744,7 +757,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
               spans.size(1) == 3 && block_tables.dim() == 2 && block_tables.size(0) == spans.size(0),
               "spans must be int64 [S, 3] and block_tables int64 [S, max_blocks]");
   const int64_t d = q.size(2), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
-  TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, "head_dim must be 64, 128 or 256");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.size(2) * (kind == KVKind::kInt4 ? 2 : 1) == d, "cache rows must be head_dim wide");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
@@ -776,7 +790,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     sp.push_back(x);
   }
   const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, block_size, q.stride(0),
-                    static_cast<float>(scale) * kLog2e};
+                    static_cast<float>(scale) * kLog2e, window};
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t per_block = (path == kPortable ? 2 : 1) * kKB * d * 4;
@@ -785,7 +799,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   const auto flush = [&] {
     if (batch.empty()) return;
     if (d == 64) run_batch<64>(path, src, sp, batch, shape, qp, op);
-    else run_batch<128>(path, src, sp, batch, shape, qp, op);
+    else if (d == 128) run_batch<128>(path, src, sp, batch, shape, qp, op);
+    else run_batch<256>(path, src, sp, batch, shape, qp, op);
     batch.clear();
     batch_bytes = 0;
   };

@@ -2,7 +2,8 @@
 //
 // Weights are planar: qweight [N, K] int8 (8 bits) or [N, K/2] uint8 (4 bits: in each 32-wide group, byte j
 // holds k = j in its low nibble and k = j + 16 in its high one, as GGML stores them), scales [N, K/group]
-// fp32 or fp16 (quant_params.h) and, for asymmetric 4 bits, mins [N, K/group] alike: w = scale * q + min.
+// fp32 or fp16 (quant_params.h) and, for asymmetric weights (4 bits, or 8 bits in groups of 32 or more: GGUF
+// Q5_1 / Q5_K), mins [N, K/group] alike: w = scale * q + min.
 // Groups are multiples of 32, or 16 for 8 bits (GGUF Q6_K's sub-blocks: each 32-block then has a scale per half).
 //
 // Small M (decode) is bandwidth-bound: each weight byte is read once and multiplied in integers against the
@@ -326,7 +327,7 @@ void check_weights(const torch::Tensor& qweight, const torch::Tensor& scales, co
   TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? torch::kUInt8 : torch::kInt8), "qweight dtype does not match bits");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == qweight.size(0) && scales.size(1) == k / group,
               "scales must be [N, K/group]");
-  TORCH_CHECK(!mins || bits == 4, "mins are for 4 bits only");
+  TORCH_CHECK(!mins || group % kBlock == 0, "mins need groups of 32 or more");
   group_params(scales, mins);  // dtypes and layout
 }
 
@@ -515,7 +516,7 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, c10:
           }
         } else {
           const int8_t* q = reinterpret_cast<const int8_t*>(wb);
-          for (int j = 0; j < kBlock; ++j) v[j] = sw * static_cast<float>(q[j]);
+          for (int j = 0; j < kBlock; ++j) v[j] = sw * static_cast<float>(q[j]) + mw;
         }
       }
       if (dtype == torch::kFloat) {

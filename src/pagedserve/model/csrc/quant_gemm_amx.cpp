@@ -46,8 +46,8 @@ inline __m512i dequantize_block(const uint8_t* w, int64_t bits, float scale_lo, 
   }
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_set1_ps(scale_hi)),
-                                                       _mm512_mul_ps(lo, _mm512_set1_ps(scale_lo))));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, _mm512_set1_ps(scale_hi), _mm512_set1_ps(min)),
+                                                       _mm512_fmadd_ps(lo, _mm512_set1_ps(scale_lo), _mm512_set1_ps(min))));
 }
 
 // x [m_pad, K] bf16 as B tiles: for each k-block and 16 rows, 16 k pairs x 16 rows (VNNI order).
@@ -165,7 +165,7 @@ torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor qweight, torch::Te
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && qweight.size(1) == (bits == 4 ? k / 2 : k),
               "qweight must be a contiguous [N, K (/2 for 4 bits)]");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == k / group, "scales must be [N, K/group]");
-  TORCH_CHECK(!mins || bits == 4, "mins are for 4 bits only");
+  TORCH_CHECK(!mins || group % kBlock == 0, "mins need groups of 32 or more");
   if (residual) {
     TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == torch::kBFloat16 && residual->dim() == 2 &&
                 residual->size(0) == m && residual->size(1) == n, "residual must be a contiguous bf16 [M, N]");

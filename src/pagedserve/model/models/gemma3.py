@@ -7,17 +7,25 @@
   groups keep only the blocks the window sees (engine/kv_cache.py) and their attention is model/sliding_window.py;
 - GeGLU (tanh GELU), embeddings scaled by sqrt(hidden), a tied head.
 
-The fused bf16 C++ ops (norms, RoPE + KV write) assume Llama's layer, so this family runs plain PyTorch ops around
-the quantized or prepacked linears; its head_dim of 256 is beyond the C++ attention kernels anyway.
+On the bf16 fast path the layers run Gemma's own fused C++ ops (the (1 + w) norms with the residual add, QK-norm,
+GeGLU) beside Llama's RoPE + KV write and the attention kernels (windowed for sliding layers), and a pure decode step
+over quantized linears runs all layers in one C++ call (csrc/decode_stack.cpp's GemmaDecodeStack, op for op the same).
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagedserve.model.attention import paged_attention
+from pagedserve.model.decode_stack import (
+    build_decode_stack,
+    gemma_stack_takes,
+    layer_metas,
+    run_gemma_decode_stack,
+)
+from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.kv_cache_dtype import LayerKVCache, hadamard
 from pagedserve.model.layers import RotaryEmbedding, StepContext, rotate
 from pagedserve.model.linear import can_pack, pack_linears
@@ -35,11 +43,16 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size))
         self.eps = eps
+        self.scale: torch.Tensor | None = None  # 1 + w in fp32 for the C++ ops, set by Gemma3ForCausalLM.use_fast_path
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Any | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm, plus residual when given (the norm rounded to x's dtype first, as in transformers)."""
+        if kernels is not None:
+            return kernels.gemma_rms_norm(x, self.scale, self.eps, residual)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        out = (xf * (1.0 + self.weight.float())).type_as(x)
+        return out if residual is None else residual + out
 
 
 class Gemma3Attention(Attention):
@@ -54,17 +67,24 @@ class Gemma3Attention(Attention):
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """attention(x), before the post-attention norm; rope: this layer's (cos, sin)."""
         qkv = self.project(x, ctx)
+        if ctx.kernels is not None:  # QK-norm, then RoPE and the KV write (fp8's Hadamard turn too), in place
+            ctx.kernels.gemma_qk_norm(qkv, self.q_norm.scale, self.k_norm.scale, self.num_heads, self.num_kv_heads,
+                                      self.q_norm.eps)
+            ctx.kernels.rope_and_cache(qkv, *rope, kv.k, kv.v, kv.k_scale, kv.v_scale, ctx.meta.slot_mapping,
+                                       self.num_heads, self.num_kv_heads)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotate(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), *rope)
-        k = rotate(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), *rope)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if kv.fmt.rotates_keys(self.head_dim):
-            q, k = hadamard(q), hadamard(k)
-        kv.write(k, v, ctx.meta.slot_mapping)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if ctx.kernels is None:
+            q, k = rotate(self.q_norm(q), *rope), rotate(self.k_norm(k), *rope)
+            if kv.fmt.rotates_keys(self.head_dim):
+                q, k = hadamard(q), hadamard(k)
+            kv.write(k, v, ctx.meta.slot_mapping)
         if isinstance(ctx.meta, WindowMetadata):
-            o = window_attention(q, kv, ctx.meta, ctx.block_size, self.scale).flatten(1)
+            o = window_attention(q, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels).flatten(1)
         else:
-            o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale).flatten(1)
+            o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels).flatten(1)
         out = self.o_proj(o)
         if ctx.lora is not None:
             ctx.lora.add(out, o, self.layer_index, "o_proj")
@@ -84,8 +104,15 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: LayerKVCache, ctx: StepContext,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv, ctx, rope))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), None, ctx))
+        k = ctx.kernels
+        x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x, k), kv, ctx, rope), k, x)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x, k), None, ctx), k, x)
+
+    def stack_norms(self) -> tuple[list[torch.Tensor], int]:
+        """What GemmaDecodeStack's add_layer takes before the linears: the six norms' 1 + w, and the window."""
+        norms = [self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                 self.post_feedforward_layernorm, self.self_attn.q_norm, self.self_attn.k_norm]
+        return [n.scale for n in norms], self.self_attn.window or 0
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -131,19 +158,31 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_scale = config.hidden_size ** 0.5
 
     def use_fast_path(self, use_kernels: bool) -> None:
-        """Prepacked bf16 linears only: the fused C++ ops compute Llama's layer, not this one."""
+        """bf16 on CPU: prepacked float linears, Gemma's fused C++ ops, and the decode stack over quantized ones."""
         weight = self.norm.weight
         if can_pack(weight.dtype, weight.device):
             pack_linears(self)
+        if use_kernels and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            self.kernels = cpu_kernels()
+        if self.kernels is None:
+            return
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.scale = 1.0 + module.weight.detach().float()
+        self.decode_stack = build_decode_stack(self, "GemmaDecodeStack")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: HybridMetadata, block_size: int, lora: LoRABatch | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale).to(x.dtype)  # rounded as transformers rounds it
-        global_rope = self.rope.tables(positions, x.dtype)
-        local_rope = self.local_rope.tables(positions, x.dtype)
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            layer_meta = meta.layer(i) if isinstance(meta, HybridMetadata) else meta
-            ctx = StepContext(layer_meta, block_size, *global_rope, None, lora)
+        rope_dtype = torch.float32 if self.kernels is not None else x.dtype  # the C++ RoPE takes fp32 tables
+        global_rope = self.rope.tables(positions, rope_dtype)
+        local_rope = self.local_rope.tables(positions, rope_dtype)
+        metas = layer_metas(meta, len(self.layers))
+        if self.decode_stack is not None and lora is None and gemma_stack_takes(x.shape[0], metas, kv_caches):
+            x = run_gemma_decode_stack(self.decode_stack, x, global_rope, local_rope, metas, block_size, kv_caches)
+            return self.norm(x, self.kernels)
+        for layer, kv, layer_meta in zip(self.layers, kv_caches, metas):
+            ctx = StepContext(layer_meta, block_size, *global_rope, self.kernels, lora)
             x = layer(x, kv, ctx, local_rope if layer.self_attn.window else global_rope)
-        return self.norm(x)
+        return self.norm(x, self.kernels)

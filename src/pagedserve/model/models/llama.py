@@ -87,8 +87,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if ctx.lora is not None:
             ctx.lora.add(gate_up, x, self.layer_index, "gate_up_proj")
-        if ctx.kernels is not None and self.act == "silu":
-            h = ctx.kernels.silu_and_mul(gate_up)
+        if ctx.kernels is not None:
+            h = ctx.kernels.silu_and_mul(gate_up) if self.act == "silu" else ctx.kernels.gelu_tanh_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = ACTIVATIONS[self.act](gate) * up
@@ -110,6 +110,10 @@ class DecoderLayer(nn.Module):
 
     def make_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
         return MLP(config, layer_index)
+
+    def stack_norms(self) -> tuple[torch.Tensor, ...]:
+        """What csrc/decode_stack.cpp's add_layer takes before the linears."""
+        return self.input_layernorm.weight, self.post_attention_layernorm.weight
 
     def forward(self, x: torch.Tensor, kv: LayerKVCache, ctx: StepContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x, ctx.kernels), x, kv, ctx)
