@@ -5,6 +5,8 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from pagedserve.speculative_config import SpeculativeConfig, parse_arg
+
 # model/kv_cache_dtype.py's formats, listed here so that --help needs no torch import
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
@@ -34,6 +36,8 @@ class EngineConfig:
     max_guided_choices: int = 1000  # alternatives in one output constraint (engine/structured_output.py)
     grammar_compile_timeout: float = 10.0  # seconds the server waits for a new constraint to compile
     grammar_cache_memory: str = "64MiB"  # checked constraints (and refusals) kept
+    # speculative decoding (engine/spec_decode/): a SpeculativeConfig, or its JSON / dict form; None: off
+    speculative_config: SpeculativeConfig | str | dict | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -100,6 +104,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "to compile before it is refused with a 400")
     g.add_argument("--grammar-cache-memory", default=d.grammar_cache_memory,
                    help="memory for the checked output constraints kept, so a repeated one skips its checks")
+    g.add_argument("--speculative-config", type=parse_arg, default=d.speculative_config, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (engine/spec_decode/)')
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML file whose keys (flag names, dashes or underscores) set values; "
                              "flags given on the command line win")
