@@ -9,7 +9,7 @@ from pagedserve import LLM
 from pagedserve.cli import build_parser
 from pagedserve.config import EngineConfig
 from pagedserve.engine.spec_decode.ngram import NgramIndex, NgramProposer
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams
 from pagedserve.speculative_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -153,3 +153,129 @@ def test_stops_inside_an_accepted_run_are_exact():
         want, got = base.generate(QUOTING[0], params)[0].outputs[0], llm.generate(QUOTING[0], params)[0].outputs[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
         assert len(got.token_ids) <= inside
+
+
+# -- sampled requests ------------------------------------------------------------------------------
+
+def test_seeded_sampling_draws_the_same_tokens_as_without_speculation():
+    # Each position is sampled from the target's distribution with the uniform of (seed, output position), so a
+    # seeded request draws exactly what it draws without speculation (fp32: the logits match too), penalties,
+    # top-k/top-p/min-p, logprobs and output constraints included, and again on a second run.
+    base = LLM(dtype="float32", kv_cache_memory="16MiB")
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config=NGRAM)
+    params = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                             presence_penalty=0.2, frequency_penalty=0.1, seed=s, max_tokens=24, logprobs=2)
+              for s in range(3)]
+    params.append(SamplingParams(temperature=0.5, seed=7, max_tokens=24, min_tokens=20))
+    params.append(SamplingParams(temperature=0, max_tokens=24,
+                                 guided_decoding=GuidedDecodingParams(regex="(The quick brown fox[a-z ]*\\.)+")))
+    prompts = [QUOTING[0], QUOTING[1], QUOTING[2], QUOTING[0], QUOTING[0]]
+    want = base.generate(prompts, params)
+    for _ in range(2):
+        got = llm.generate(prompts, params)
+        assert token_ids(got) == token_ids(want)
+        for g, w in zip(got, want):
+            if w.outputs[0].logprobs is not None:
+                assert [list(e) for e in g.outputs[0].logprobs] == [list(e) for e in w.outputs[0].logprobs]
+                assert [e[t].logprob for e, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)] == pytest.approx(
+                    [e[t].logprob for e, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)], abs=1e-4)
+    assert got[4].outputs[0].text.startswith("The quick brown fox")
+    assert llm.engine.spec_stats.num_accepted_tokens > 10
+
+
+def test_next_tokens_distribution_matches_without_speculation():
+    # Two independent samples (different seeds) of the 2nd and 3rd tokens after a prompt that quotes its context:
+    # with speculation the 2nd is a verified proposal (accepted with p(x), else drawn from the residual) and the
+    # 3rd often the bonus token. A chi-square test of homogeneity over the (2nd, 3rd) pairs.
+    from scipy.stats import chi2_contingency
+
+    draws, n = 1600, 16
+    spec = {**NGRAM, "num_speculative_tokens": 2, "disable_by_batch_size": 1 << 20}
+    counts = []
+    for config, offset in [(None, 0), (spec, 10**6)]:
+        llm = LLM(kv_cache_memory="64MiB", max_num_seqs=256, speculative_config=config)
+        params = [SamplingParams(n=n, temperature=1.0, top_k=20, repetition_penalty=1.2, seed=offset + s, max_tokens=3,
+                                 ignore_eos=True) for s in range(draws // n)]
+        outs = llm.generate([QUOTING[0]] * len(params), params)
+        pairs = [tuple(c.token_ids[1:3]) for o in outs for c in o.outputs]
+        counts.append({p: pairs.count(p) for p in set(pairs)})
+        if config is not None:
+            stats = llm.engine.spec_stats
+            assert stats.num_draft_tokens >= draws // 2 and stats.num_accepted_tokens >= draws // 10
+    common = [p for p in counts[0] if counts[0][p] + counts[1].get(p, 0) >= 10]
+    table = [[c.get(p, 0) for p in common] + [draws - sum(c.get(p, 0) for p in common)] for c in counts]
+    assert len(common) >= 5
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_metrics_follow_vllm_names():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagedserve.engine.spec_decode.stats import SpecDecodeStats
+    from pagedserve.engine.stats import EngineStats
+    from pagedserve.server.metrics import EngineStatsCollector
+
+    spec = SpecDecodeStats("ngram")
+    for proposed, accepted in [(4, 4), (4, 0), (3, 1), (4, 4)]:
+        spec.record(proposed, accepted)
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (4, 15, 9)
+    assert spec.acceptance_lengths == [1, 1, 0, 0, 2] and spec.mean_acceptance_length == 1 + 9 / 4
+    registry = CollectorRegistry()
+    stats = EngineStats(0, 0, 10, 0, 0, 0, 0, 0, 0, 0, spec_decode=spec)
+    registry.register(EngineStatsCollector(lambda: stats, "m"))
+    text = generate_latest(registry).decode()
+    labels = 'method="ngram",model_name="m"'
+    for line in [f"pagedserve_spec_decode_num_drafts_total{{{labels}}} 4.0",
+                 f"pagedserve_spec_decode_num_draft_tokens_total{{{labels}}} 15.0",
+                 f"pagedserve_spec_decode_num_accepted_tokens_total{{{labels}}} 9.0",
+                 f'pagedserve_spec_decode_acceptance_length_bucket{{le="1.0",{labels}}} 2.0',
+                 f'pagedserve_spec_decode_acceptance_length_bucket{{le="+Inf",{labels}}} 4.0',
+                 f"pagedserve_spec_decode_acceptance_length_sum{{{labels}}} 9.0"]:
+        assert line in text, line
+
+
+def test_suffix_proposals_follow_frequent_continuations_and_other_requests():
+    from pagedserve.engine.spec_decode.suffix import SuffixProposer
+
+    config = SpeculativeConfig("suffix", 4, suffix_decoding_max_tree_depth=8, suffix_decoding_max_cached_requests=2,
+                               suffix_decoding_min_token_prob=0.4)
+    proposer = SuffixProposer(config)
+    tokens = [5, 1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3, 4, 7, 1, 2]
+    state = proposer.new_state()
+    # [1, 2] was followed by 3, 4 each time, then by 9, 8 or 7 (1/3 each, under min probability 0.4)
+    assert proposer.propose(tokens, state, 4) == [3, 4]
+    tokens += [3, 4, 7, 1]  # grows incrementally: [3, 4, 7, 1] was followed by 2, 3, 4, 7 (once: probability 1)
+    assert proposer.propose(tokens, state, 4) == [2, 3, 4, 7]
+    assert proposer.propose([6, 60, 61], proposer.new_state(), 4) == []
+    proposer.finished([60, 61, 62, 63, 64])  # another request's output is looked up too
+    assert proposer.propose([6, 60, 61], proposer.new_state(), 4) == [62, 63, 64]
+    proposer.finished([1])
+    proposer.finished([2])  # the oldest output leaves the bounded cache, and its substrings with it
+    assert proposer.propose([6, 60, 61], proposer.new_state(), 4) == []
+    assert proposer.shared.find([60]) is None
+
+
+def test_suffix_method_greedy_identical(expected):
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB",
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    check_kv_after_each_step(llm)
+    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected
+    first = llm.engine.spec_stats.copy()
+    assert first.num_accepted_tokens > 20
+    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected  # now also from the shared trie
+    assert llm.engine.spec_stats.num_accepted_tokens - first.num_accepted_tokens > first.num_accepted_tokens
+
+
+@pytest.mark.slow
+def test_lora_requests_verify_under_their_adapter(tmp_path, hf_model):
+    from tests.lora_support import lora, make_adapters
+
+    adapters = make_adapters(hf_model, tmp_path)
+    loras = [lora(adapters, "all16"), None, lora(adapters, "attn8")]
+    prompts = [QUOTING[0], QUOTING[0], QUOTING[2]]
+    base = LLM(dtype="float32", kv_cache_memory="32MiB", enable_lora=True)
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", enable_lora=True, speculative_config=NGRAM)
+    want = token_ids(base.generate(prompts, GREEDY, lora_request=loras))
+    assert want[0] != want[1]  # the adapter changes the output, so the identity below means something
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request=loras)) == want
+    assert llm.engine.spec_stats.num_accepted_tokens > 0

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 
 
 @dataclass(slots=True)
@@ -17,6 +17,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: proposals verified per step (at most k + 1 tokens accepted)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (vLLM: 5 when neither bound is given)
     prompt_lookup_max: int | None = None  # ngram: longest suffix matched, tried first
+    # suffix: the tries' depth (longest pattern matched + proposal), finished outputs kept in the shared trie,
+    # and the least probability a proposal's path may have (it stops growing below)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 64
+    suffix_decoding_min_token_prob: float = 0.1
     # no proposals in a step with more running requests than this (vLLM's key): verification then costs more
     # than it saves (engine/spec_decode/proposer.py's cost model)
     disable_by_batch_size: int = 16
@@ -28,8 +33,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {', '.join(METHODS)}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
         _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
-        if not isinstance(self.min_acceptance_rate, (int, float)) or not 0 <= self.min_acceptance_rate <= 1:
-            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
+        _check_fraction("min_acceptance_rate", self.min_acceptance_rate)
+        if self.method == "suffix":
+            _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth,
+                       self.num_speculative_tokens + 1, 64)
+            _check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0, 100_000)
+            _check_fraction("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob)
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             self.prompt_lookup_min = lo if lo is not None else (hi if hi is not None else 5)
@@ -71,6 +80,11 @@ class SpeculativeConfig:
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
 def parse_arg(text: str) -> SpeculativeConfig:

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "lora": "multi-LoRA: 1-128 adapters batched vs the base model and vs one adapter at a time",
     "disagg": "disaggregated prefill/decode: KV transfer GB/s vs memcpy and loopback; 1P+1D vs 2 co-located",
     "retrieval": "retrieval: recall@3 and MRR of BM25, dense and hybrid; search latency at 1k-100k chunks",
+    "spec": "speculative decoding: one stream ms/token with and without ngram on quoting and open workloads",
 }
 
 

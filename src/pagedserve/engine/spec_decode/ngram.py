@@ -23,6 +23,12 @@ class NgramProposer:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
+    def new_state(self) -> NgramIndex:
+        return NgramIndex()
+
+    def finished(self, output_token_ids: list[int]) -> None:
+        """Other requests' outputs are not looked up."""
+
     def propose(self, tokens: list[int], index: NgramIndex, k: int) -> list[int]:
         """Up to k tokens continuing the longest suffix of tokens (of at most max_n) seen before; [] if none.
         index: this sequence's, grown here by the tokens appended since its last proposal."""

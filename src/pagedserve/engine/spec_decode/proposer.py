@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pagedserve.engine.request import Request
 from pagedserve.engine.spec_decode.ngram import NgramIndex, NgramProposer
+from pagedserve.engine.spec_decode.suffix import SuffixProposer, SuffixState
 from pagedserve.speculative_config import SpeculativeConfig
 
 PROBE_EVERY = 16  # steps a request with low acceptance waits before it proposes again
@@ -26,8 +27,8 @@ EMA = 0.3  # weight of the latest draft in a request's acceptance average
 
 @dataclass(slots=True)
 class SpecState:
-    """A request's proposal state: the method's index and how its recent proposals fared."""
-    index: NgramIndex
+    """A request's proposal state: the method's own (its index of the sequence) and how its proposals fared."""
+    index: NgramIndex | SuffixState
     acceptance: float = 1.0  # moving average of accepted / proposed
     skipped: int = 0  # steps without proposals since acceptance fell low
 
@@ -36,16 +37,20 @@ class Proposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.method = NgramProposer(config)
+        self.method = NgramProposer(config) if config.method == "ngram" else SuffixProposer(config)
 
     def propose(self, reqs: list[Request], num_running: int) -> None:
-        """Sets spec_token_ids of the running requests among reqs (just sampled, so all decoding)."""
+        """Sets spec_token_ids of the running requests among reqs (just sampled, so all decoding); the finished
+        ones' outputs go to the method (suffix: the shared trie)."""
+        for req in reqs:
+            if req.is_finished:
+                self.method.finished(req.output_token_ids)
         if num_running > self.config.disable_by_batch_size:
             return
         for req in reqs:
             if req.is_finished:
                 continue
-            state = req.spec_state if req.spec_state is not None else SpecState(NgramIndex())
+            state = req.spec_state if req.spec_state is not None else SpecState(self.method.new_state())
             req.spec_state = state
             if state.acceptance < self.config.min_acceptance_rate:
                 state.skipped += 1
