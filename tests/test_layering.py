@@ -8,7 +8,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "pagedserve"
 
 # Lowest first. A module may import its own tier and the tiers below it, never one above.
 TIERS = [
-    {"config", "sampling_params", "lora_request", "outputs"},
+    {"config", "speculative_config", "sampling_params", "lora_request", "outputs"},
     {"model", "embedding"},
     {"engine", "distributed"},
     {"llm", "server"},

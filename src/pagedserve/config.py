@@ -5,11 +5,13 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-# model/kv_cache_dtype.py's formats, listed here so that --help needs no torch import
+from pagedserve.speculative_config import SpeculativeConfig, parse_arg
+
 # `serve`'s default cap on prefill beside decodes: a 16-decode step then takes <= 228 ms on 2 Zen 4 cores
 # where a whole 1,024-token prompt took 736 ms, for 23% more TTFT (docs/benchmarks.md, "Decode ITL beside a
 # long prefill").
 SERVE_PREFILL_BESIDE_DECODES = 256
+# model/kv_cache_dtype.py's formats, listed here so that --help needs no torch import
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 
@@ -43,6 +45,8 @@ class EngineConfig:
     grammar_cache_memory: str = "64MiB"  # checked constraints (and refusals) kept
     tensor_parallel_size: int = 1  # ranks the model is split over, one process each (distributed/)
     cpu_binding: str = "auto"  # auto | none | one core list per rank, ';'-separated (distributed/cpu_binding.py)
+    # speculative decoding (engine/spec_decode/): a SpeculativeConfig, or its JSON / dict form; None: off
+    speculative_config: SpeculativeConfig | str | dict | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -120,6 +124,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-binding", default=d.cpu_binding,
                    help="cores of each tensor-parallel rank: auto (equal disjoint shares, NUMA node by node), none, "
                         "or one core list per rank separated by ';', e.g. '0-7;8-15'")
+    g.add_argument("--speculative-config", type=parse_arg, default=d.speculative_config, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (engine/spec_decode/)')
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML file whose keys (flag names, dashes or underscores) set values; "
                              "flags given on the command line win")

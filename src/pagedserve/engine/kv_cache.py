@@ -260,6 +260,19 @@ class KVCacheManager:
             self.req_window_start[child_id] = list(self.req_window_start[parent.request_id])
         return result
 
+    def trim(self, req: Request) -> None:
+        """Gives back the blocks past req's computed tokens: those that held only rejected proposals' KV (never
+        hashed: only blocks of computed tokens are cached)."""
+        keep = -(-req.num_computed_tokens // self.block_size)
+        released = []
+        for table in self.req_blocks.get(req.request_id, []):
+            for b in reversed(table[keep:]):
+                if b != NULL_BLOCK:
+                    released += self._release(b)
+            del table[keep:]
+        if released and self.on_release is not None:
+            self.on_release(released)
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks; the tail goes first into the LRU queue so it is evicted first."""
         released = []

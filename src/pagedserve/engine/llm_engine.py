@@ -24,6 +24,9 @@ from pagedserve.engine.request import Request, RequestStatus, takes_output_from_
 from pagedserve.engine.request_group import Pending, RequestGroup
 from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample, score_tokens
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.spec_decode.proposer import Proposer
+from pagedserve.engine.spec_decode.stats import SpecDecodeStats
+from pagedserve.engine.spec_decode.verifier import roll_back, verify
 from pagedserve.engine.stats import EngineStats
 from pagedserve.engine.structured_output import GrammarCompiler, GrammarLimits, advance
 from pagedserve.lora_request import LoRARequest
@@ -41,6 +44,7 @@ from pagedserve.model.quant_linear import (
 )
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +114,12 @@ class LLMEngine:
         if loaded.checkpoint_scheme != "none":  # a quantized checkpoint runs as stored (model/checkpoints/)
             self.weights_info |= checkpoint
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        if self.spec_config is not None and self.kv_format.int4:
+            raise ValueError("speculative decoding is not supported with --kv-cache-dtype int4 (a block's keys are "
+                             "quantized as it fills, rejected proposals' keys included); supported: every other")
+        self.proposer = Proposer(self.spec_config) if self.spec_config is not None else None
+        self.spec_stats = SpecDecodeStats(self.spec_config.method) if self.spec_config is not None else None
         pool_bytes = parse_size(config.kv_cache_memory) - ModelRunner.fixed_bytes(
             loaded.config, self.kv_format, config.block_size, config.max_num_seqs)
         num_blocks = pool_bytes // ModelRunner.bytes_per_block(loaded.config, self.kv_format, config.block_size)
@@ -350,6 +360,7 @@ class LLMEngine:
                            lora_loads=self.loras.loads if self.loras is not None else 0,
                            lora_evictions=self.loras.evictions if self.loras is not None else 0,
                            kv_leases=len(self.kv_transfer.leases), kv_leased_blocks=self.kv_transfer.pinned_blocks,
+                           spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None,
                            **self._expert_load())
 
     def _expert_load(self) -> dict:
@@ -373,16 +384,25 @@ class LLMEngine:
         hidden = self.runner.execute(batch)
         if batch.prompt_rows:
             self._score_prompts(batch, hidden)
-        hidden = hidden[batch.sample_rows]
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
-        rows, reqs = self._fork_children(list(range(len(batch.sample_reqs))), batch.sample_reqs)
+            if not req.spec_token_ids:  # else once its proposals are verified (spec_decode/verifier.py)
+                self.kv.cache_full_blocks(req)
+        rows, reqs = self._fork_children(batch.sample_rows, batch.sample_reqs)
         if not reqs:
             return failed
-        logits = self.runner.compute_logits(hidden[rows])
-        out = sample(logits, SamplingBatch.build(reqs, logits.shape[1], self.grammars.fill_mask(reqs)))
-        return failed + self._process(reqs, out)
+        touched: dict[str, RequestGroup] = {}
+        if any(r.spec_token_ids for r in reqs):
+            verify(reqs, rows, hidden, self.runner.compute_logits, self.grammars.fill_mask,
+                   lambda seqs, out: self._process(seqs, out, touched))
+            roll_back(reqs, self.kv, self.spec_stats)
+        else:
+            logits = self.runner.compute_logits(hidden[rows])
+            out = sample(logits, SamplingBatch.build(reqs, logits.shape[1], self.grammars.fill_mask(reqs)))
+            self._process(reqs, out, touched)
+        if self.proposer is not None:
+            self.proposer.propose(reqs, len(self.scheduler.running))
+        return failed + [self._output(g) for g in touched.values()]
 
     def _score_prompts(self, batch: BatchInputs, hidden: torch.Tensor) -> None:
         """Prompt logprobs of this step's prompt positions; a recomputed position (after preemption) is
@@ -424,10 +444,9 @@ class LLMEngine:
                 out_reqs.append(child)
         return out_rows, out_reqs
 
-    def _process(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
+    def _process(self, reqs: list[Request], out: SamplerOutput, touched: dict[str, RequestGroup]) -> None:
         tokens = out.token_ids.tolist()
         lp = _logprob_lists(out)
-        touched: dict[str, RequestGroup] = {}
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             group, index = self.seqs[req.request_id]
             self.generation_tokens_total += 1
@@ -435,7 +454,6 @@ class LLMEngine:
                 req.logprobs.append(self._logprob_entry(token, i, lp, req.params.logprobs))
             self._accept(group, req, index, token)
             touched[group.request_id] = group
-        return [self._output(g) for g in touched.values()]
 
     def _accept(self, group: RequestGroup, req: Request, index: int, token: int) -> None:
         """A sampled token joins the sequence: detokenized, checked against stops, grammar and length."""

@@ -110,11 +110,12 @@ class ModelRunner:
         lora_rows: dict[int, tuple[LoRAAdapter, list[range]]] = {}
         for req, n in decodes + prefills:
             start, first = len(ids), req.num_computed_tokens
-            ids += req.all_token_ids[first:first + n]
+            tokens = req.all_token_ids + req.spec_token_ids if req.spec_token_ids else req.all_token_ids
+            ids += tokens[first:first + n]
             if req.lora is not None:
                 lora_rows.setdefault(id(req.lora), (req.lora, []))[1].append(range(start, start + n))
             positions += range(first, first + n)
-            if first + n == req.num_tokens:
+            if first + n == req.num_tokens_with_spec:  # proposals: their rows end at sample_rows' (spec_decode/)
                 sample_rows.append(start + n - 1)
                 sample_reqs.append(req)
             scored = min(first + n, req.num_prompt_tokens - 1) - first  # positions whose next token is prompt

@@ -49,6 +49,8 @@ class Request:
     matcher: Any = None  # llguidance.LLMatcher of a constrained request (its own copy), else None
     lora: Any = None  # the LoRAAdapter it runs under, else None (the base model)
     held: bool = False  # kept out of the scheduler until released (its prompt's KV is on its way)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify next step, after all_token_ids
+    spec_state: Any = None  # the proposer's own per-request state (engine/spec_decode/)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -60,6 +62,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

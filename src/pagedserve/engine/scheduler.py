@@ -87,10 +87,12 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            gap = req.num_tokens - req.num_computed_tokens
-            num_new = self._chunk(req, gap)
-            if gap > 0 and num_new == 0:  # a prefill past this step's prefill share: next step
-                continue
+            if _is_decode(req):
+                num_new = self._num_new_with_spec(req)
+            else:
+                num_new = min(req.num_tokens - req.num_computed_tokens, self._budget, self._prefill_budget)
+                if num_new == 0:  # a prefill past this step's prefill share: next step
+                    continue
             if self._allocate_or_preempt(req, num_new, out):
                 out.scheduled.append((req, num_new))
                 self._budget -= num_new
@@ -99,9 +101,15 @@ class Scheduler:
             self._schedule_waiting(out)
         return out
 
-    def _chunk(self, req: Request, gap: int) -> int:
-        """Tokens req gets this step: its gap within the budget, and within the prefill share if a prefill."""
-        return min(gap, self._budget) if _is_decode(req) else min(gap, self._budget, self._prefill_budget)
+    def _num_new_with_spec(self, req: Request) -> int:
+        """Tokens to compute for a running request: its proposals too where the budget and the free blocks hold
+        them, else as many as fit (none at all rather than preempt another request for them)."""
+        num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, self._budget)
+        del req.spec_token_ids[max(0, req.num_computed_tokens + num_new - req.num_tokens):]
+        if req.spec_token_ids and not self.kv.allocate_slots(req, num_new):
+            num_new -= len(req.spec_token_ids)
+            req.spec_token_ids.clear()
+        return num_new
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates req's slots, preempting running requests no more important than req (req itself
@@ -180,6 +188,7 @@ class Scheduler:
         """Recompute later: drop the KV (its full blocks stay in the prefix cache) and requeue."""
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids.clear()
         req.num_preemptions += 1
         self.preemptions[reason] += 1
         self.add(req)

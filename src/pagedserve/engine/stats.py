@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.engine.spec_decode.stats import SpecDecodeStats
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -25,6 +27,7 @@ class EngineStats:
     kv_leased_blocks: int = 0
     expert_tokens: list[int] = field(default_factory=list)  # MoE: tokens routed to each expert, all layers summed
     expert_load_imbalance: float = 0.0  # MoE: busiest expert's tokens / the mean, averaged over sparse layers
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters; None when it is off
 
     @property
     def prefix_cache_hit_rate(self) -> float:

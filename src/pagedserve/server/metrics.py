@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
@@ -70,8 +70,28 @@ class EngineStatsCollector(Collector):
             yield experts
             yield gauge("moe_expert_load_imbalance", "busiest expert's routed tokens over the mean, averaged over "
                         "sparse layers (1.0: perfectly balanced)", s.expert_load_imbalance)
+        if s.spec_decode is not None:
+            yield from spec_decode_metrics(s.spec_decode, names, values)
         yield counter("prompt_tokens", "prompt tokens processed", s.prompt_tokens_total)
         yield counter("generation_tokens", "tokens generated", s.generation_tokens_total)
+
+
+def spec_decode_metrics(s: Any, names: list[str], values: list[str]) -> Iterator:
+    """vLLM's spec_decode counters (vllm:spec_decode_num_drafts, ...), per method, and how many proposals each
+    verified draft had accepted as a histogram (bucket le=a: drafts with at most a accepted)."""
+    labels, labelled = [*names, "method"], [*values, s.method]
+    for name, doc, value in [("num_drafts", "verified proposal runs (a request's proposals in one step)", s.num_drafts),
+                             ("num_draft_tokens", "tokens proposed and verified", s.num_draft_tokens),
+                             ("num_accepted_tokens", "proposed tokens accepted", s.num_accepted_tokens)]:
+        c = CounterMetricFamily(f"pagedserve_spec_decode_{name}", doc, labels=labels)
+        c.add_metric(labelled, value)
+        yield c
+    h = HistogramMetricFamily("pagedserve_spec_decode_acceptance_length", "proposals accepted per verified draft",
+                              labels=labels)
+    cumulative = [sum(s.acceptance_lengths[:a + 1]) for a in range(len(s.acceptance_lengths))]
+    h.add_metric(labelled, [(str(float(a)), n) for a, n in enumerate(cumulative)] + [("+Inf", s.num_drafts)],
+                 s.num_accepted_tokens)
+    yield h
 
 
 class AdmissionCollector(Collector):

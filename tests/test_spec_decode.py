@@ -1,0 +1,281 @@
+"""Speculative decoding (engine/spec_decode/): the config, the n-gram proposer, and greedy output identical to
+the engine without speculation (fp32, itself token-identical to transformers: test_engine_reference.py) in
+every scheduling regime, with the rejected proposals' KV rolled back."""
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.cli import build_parser
+from pagedserve.config import EngineConfig
+from pagedserve.engine.spec_decode.ngram import NgramIndex, NgramProposer
+from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams
+from pagedserve.speculative_config import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+CONTEXT = ("The quick brown fox jumps over the lazy dog. Alice went to the market to buy apples, pears and "
+           "oranges, and then she walked home along the river, where she met Bob who was fishing for trout.")
+QUOTING = [f"Repeat the text exactly.\nText: {CONTEXT}\nRepeated text: {CONTEXT[:40]}",
+           f"Context: {CONTEXT}\nQuestion: Where did Alice go and what did she buy?\nAnswer: Alice went to the",
+           "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"]
+OPEN = ["Once upon a time", "List three prime numbers:"]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+# -- config ------------------------------------------------------------------------------------
+
+def test_config_parses_vllm_json():
+    spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 4, 4)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
+    assert SpeculativeConfig.parse(str(spec)) == spec  # what a cluster launcher passes on
+    assert SpeculativeConfig.parse(None) is None
+
+
+@pytest.mark.parametrize(("value", "error"), [
+    ("{nope", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"method": "medusa", "num_speculative_tokens": 2}', "not supported"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+    ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens must be"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "must not exceed"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown speculative config key"),
+])
+def test_config_refuses_bad_values(value, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        SpeculativeConfig.parse(value)
+
+
+def test_cli_flag_on_generate_and_serve(capsys):
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        args = build_parser().parse_args([*command, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+        assert EngineConfig.from_args(args).speculative_config == SpeculativeConfig("ngram", 2)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--speculative-config", '{"method": "ngram"}'])
+        assert "needs 'num_speculative_tokens'" in capsys.readouterr().err
+
+
+# -- n-gram proposer ---------------------------------------------------------------------------
+
+def test_ngram_proposes_the_continuation_of_the_longest_match():
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3))
+    tokens, index = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3], NgramIndex()
+    # [1, 2, 3] was last followed by 4, 5, 9; the shorter [2, 3] more recently by 7, 8, but longer matches win
+    assert proposer.propose(tokens, index, 3) == [4, 5, 9]
+    tokens.append(7)  # the index grows by the new tokens only: [3, 7] was followed by 8
+    assert proposer.propose(tokens, index, 2) == [8, 1]
+    assert proposer.propose([5, 6, 7], NgramIndex(), 3) == []  # nothing repeats
+    assert NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_min=2)).propose([1, 2, 3, 1], NgramIndex(), 3) == []
+
+
+# -- greedy verification in the engine ---------------------------------------------------------
+
+def check_kv_after_each_step(llm: LLM) -> None:
+    """After every step: each running request holds blocks for its computed tokens only (rejected proposals'
+    blocks were given back), and every block in the prefix cache holds computed tokens of the sequence."""
+    engine, step = llm.engine, llm.engine.step
+    bs = engine.kv.block_size
+
+    def checked():
+        outs = step()
+        for req in engine.scheduler.running:
+            table = engine.kv.block_table(req.request_id)
+            assert len(table) == -(-req.num_computed_tokens // bs), req.request_id
+            for i, b in enumerate(table):
+                block = engine.kv.blocks[b]
+                if block.token_ids is not None:
+                    assert (i + 1) * bs <= req.num_computed_tokens
+                    assert block.token_ids == tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+        return outs
+
+    engine.step = checked
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    return token_ids(LLM(dtype="float32", kv_cache_memory="32MiB").generate(QUOTING + OPEN, GREEDY))
+
+
+def test_greedy_identical_and_prefix_hits(expected):
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", speculative_config=NGRAM)
+    check_kv_after_each_step(llm)
+    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens > 20 and stats.acceptance_lengths[4] > 0  # whole runs of 4 accepted
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # and some rejected (the open prompts)
+    before = llm.engine.stats().prefix_cache_hit_tokens
+    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected
+    assert llm.engine.stats().prefix_cache_hit_tokens - before > 100
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("engine_args", [
+    pytest.param({"max_num_batched_tokens": 24}, id="chunked-prefill"),  # proposals cut to the token budget too
+    pytest.param({"kv_cache_memory": str(9 * 16 * 30 * 2 * 192 * 4)}, id="preemption"),  # 9 blocks
+])
+def test_greedy_identical_under_pressure(engine_args, expected):
+    llm = LLM(dtype="float32", **{"kv_cache_memory": "32MiB", **engine_args}, speculative_config=NGRAM)
+    check_kv_after_each_step(llm)
+    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    if "max_num_batched_tokens" not in engine_args:
+        assert llm.engine.stats().num_preemptions > 0
+
+
+def step_sizes(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], list[int]]:
+    """The output's token ids and how many each step added."""
+    llm.engine.add_request("steps", prompt, params)
+    sizes, total = [], 0
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            sizes.append(len(out.outputs[0].token_ids) - total)
+            total += sizes[-1]
+            ids = out.outputs[0].token_ids
+    return ids, sizes
+
+
+def test_stops_inside_an_accepted_run_are_exact():
+    base = LLM(dtype="float32", kv_cache_memory="16MiB")
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config=NGRAM)
+    full, sizes = step_sizes(llm, QUOTING[0], GREEDY)
+    assert full == token_ids(base.generate(QUOTING[0], GREEDY))[0]
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    run = next(i for i, n in enumerate(sizes) if n >= 3 and i > 0)
+    inside = ends[run - 1] + 1  # a cut after the second token of a multi-token step
+    for params in [SamplingParams(temperature=0, max_tokens=inside, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[full[inside - 1]]),
+                   SamplingParams(temperature=0, max_tokens=32, stop=[llm.tokenizer.decode(full[inside - 2:inside])])]:
+        want, got = base.generate(QUOTING[0], params)[0].outputs[0], llm.generate(QUOTING[0], params)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert len(got.token_ids) <= inside
+
+
+# -- sampled requests ------------------------------------------------------------------------------
+
+def test_seeded_sampling_draws_the_same_tokens_as_without_speculation():
+    # Each position is sampled from the target's distribution with the uniform of (seed, output position), so a
+    # seeded request draws exactly what it draws without speculation (fp32: the logits match too), penalties,
+    # top-k/top-p/min-p, logprobs and output constraints included, and again on a second run.
+    base = LLM(dtype="float32", kv_cache_memory="16MiB")
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config=NGRAM)
+    params = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                             presence_penalty=0.2, frequency_penalty=0.1, seed=s, max_tokens=24, logprobs=2)
+              for s in range(3)]
+    params.append(SamplingParams(temperature=0.5, seed=7, max_tokens=24, min_tokens=20))
+    params.append(SamplingParams(temperature=0, max_tokens=24,
+                                 guided_decoding=GuidedDecodingParams(regex="(The quick brown fox[a-z ]*\\.)+")))
+    prompts = [QUOTING[0], QUOTING[1], QUOTING[2], QUOTING[0], QUOTING[0]]
+    want = base.generate(prompts, params)
+    for _ in range(2):
+        got = llm.generate(prompts, params)
+        assert token_ids(got) == token_ids(want)
+        for g, w in zip(got, want):
+            if w.outputs[0].logprobs is not None:
+                assert [list(e) for e in g.outputs[0].logprobs] == [list(e) for e in w.outputs[0].logprobs]
+                assert [e[t].logprob for e, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)] == pytest.approx(
+                    [e[t].logprob for e, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)], abs=1e-4)
+    assert got[4].outputs[0].text.startswith("The quick brown fox")
+    assert llm.engine.spec_stats.num_accepted_tokens > 10
+
+
+def test_next_tokens_distribution_matches_without_speculation():
+    # Two independent samples (different seeds) of the 2nd and 3rd tokens after a prompt that quotes its context:
+    # with speculation the 2nd is a verified proposal (accepted with p(x), else drawn from the residual) and the
+    # 3rd often the bonus token. A chi-square test of homogeneity over the (2nd, 3rd) pairs.
+    from scipy.stats import chi2_contingency
+
+    draws, n = 1600, 16
+    spec = {**NGRAM, "num_speculative_tokens": 2, "disable_by_batch_size": 1 << 20}
+    counts = []
+    for config, offset in [(None, 0), (spec, 10**6)]:
+        llm = LLM(kv_cache_memory="64MiB", max_num_seqs=256, speculative_config=config)
+        params = [SamplingParams(n=n, temperature=1.0, top_k=20, repetition_penalty=1.2, seed=offset + s, max_tokens=3,
+                                 ignore_eos=True) for s in range(draws // n)]
+        outs = llm.generate([QUOTING[0]] * len(params), params)
+        pairs = [tuple(c.token_ids[1:3]) for o in outs for c in o.outputs]
+        counts.append({p: pairs.count(p) for p in set(pairs)})
+        if config is not None:
+            stats = llm.engine.spec_stats
+            assert stats.num_draft_tokens >= draws // 2 and stats.num_accepted_tokens >= draws // 10
+    common = [p for p in counts[0] if counts[0][p] + counts[1].get(p, 0) >= 10]
+    table = [[c.get(p, 0) for p in common] + [draws - sum(c.get(p, 0) for p in common)] for c in counts]
+    assert len(common) >= 5
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_metrics_follow_vllm_names():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagedserve.engine.spec_decode.stats import SpecDecodeStats
+    from pagedserve.engine.stats import EngineStats
+    from pagedserve.server.metrics import EngineStatsCollector
+
+    spec = SpecDecodeStats("ngram")
+    for proposed, accepted in [(4, 4), (4, 0), (3, 1), (4, 4)]:
+        spec.record(proposed, accepted)
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (4, 15, 9)
+    assert spec.acceptance_lengths == [1, 1, 0, 0, 2] and spec.mean_acceptance_length == 1 + 9 / 4
+    registry = CollectorRegistry()
+    stats = EngineStats(0, 0, 10, 0, 0, 0, 0, 0, 0, 0, spec_decode=spec)
+    registry.register(EngineStatsCollector(lambda: stats, "m"))
+    text = generate_latest(registry).decode()
+    labels = 'method="ngram",model_name="m"'
+    for line in [f"pagedserve_spec_decode_num_drafts_total{{{labels}}} 4.0",
+                 f"pagedserve_spec_decode_num_draft_tokens_total{{{labels}}} 15.0",
+                 f"pagedserve_spec_decode_num_accepted_tokens_total{{{labels}}} 9.0",
+                 f'pagedserve_spec_decode_acceptance_length_bucket{{le="1.0",{labels}}} 2.0',
+                 f'pagedserve_spec_decode_acceptance_length_bucket{{le="+Inf",{labels}}} 4.0',
+                 f"pagedserve_spec_decode_acceptance_length_sum{{{labels}}} 9.0"]:
+        assert line in text, line
+
+
+def test_suffix_proposals_follow_frequent_continuations_and_other_requests():
+    from pagedserve.engine.spec_decode.suffix import SuffixProposer
+
+    config = SpeculativeConfig("suffix", 4, suffix_decoding_max_tree_depth=8, suffix_decoding_max_cached_requests=2,
+                               suffix_decoding_min_token_prob=0.4)
+    proposer = SuffixProposer(config)
+    tokens = [5, 1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3, 4, 7, 1, 2]
+    state = proposer.new_state()
+    # [1, 2] was followed by 3, 4 each time, then by 9, 8 or 7 (1/3 each, under min probability 0.4)
+    assert proposer.propose(tokens, state, 4) == [3, 4]
+    tokens += [3, 4, 7, 1]  # grows incrementally: [3, 4, 7, 1] was followed by 2, 3, 4, 7 (once: probability 1)
+    assert proposer.propose(tokens, state, 4) == [2, 3, 4, 7]
+    assert proposer.propose([6, 60, 61], proposer.new_state(), 4) == []
+    proposer.finished([60, 61, 62, 63, 64])  # another request's output is looked up too
+    assert proposer.propose([6, 60, 61], proposer.new_state(), 4) == [62, 63, 64]
+    proposer.finished([1])
+    proposer.finished([2])  # the oldest output leaves the bounded cache, and its substrings with it
+    assert proposer.propose([6, 60, 61], proposer.new_state(), 4) == []
+    assert proposer.shared.find([60]) is None
+
+
+def test_suffix_method_greedy_identical(expected):
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB",
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    check_kv_after_each_step(llm)
+    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected
+    first = llm.engine.spec_stats.copy()
+    assert first.num_accepted_tokens > 20
+    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected  # now also from the shared trie
+    assert llm.engine.spec_stats.num_accepted_tokens - first.num_accepted_tokens > first.num_accepted_tokens
+
+
+@pytest.mark.slow
+def test_lora_requests_verify_under_their_adapter(tmp_path, hf_model):
+    from tests.lora_support import lora, make_adapters
+
+    adapters = make_adapters(hf_model, tmp_path)
+    loras = [lora(adapters, "all16"), None, lora(adapters, "attn8")]
+    prompts = [QUOTING[0], QUOTING[0], QUOTING[2]]
+    base = LLM(dtype="float32", kv_cache_memory="32MiB", enable_lora=True)
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", enable_lora=True, speculative_config=NGRAM)
+    want = token_ids(base.generate(prompts, GREEDY, lora_request=loras))
+    assert want[0] != want[1]  # the adapter changes the output, so the identity below means something
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request=loras)) == want
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
