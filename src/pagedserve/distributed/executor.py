@@ -176,6 +176,7 @@ class ParallelModelRunner(ModelRunner):
         names = ["kv_format", "num_blocks", "block_size"]
         workers.send("runner", {**dict(zip(names, args)), **kwargs})
         self._guarded(super().__init__, model, workers.shard.local_config(config), *args, **kwargs)
+        model.decode_stack = None  # the workers' too (worker.serve): it runs all layers with no collective between
         logger.info("tensor parallel: the C++ decode stack is off (it cannot run collectives between layers); "
                     "decode steps take the Python layers")
 

@@ -106,9 +106,9 @@ def columns_of(w: torch.Tensor | QuantizedWeight, cols: range) -> torch.Tensor |
                          f"{w.hadamard}) at columns {k0}..{k1}: the split would cut a group")
     per_byte = 2 if w.bits == 4 else 1
     qweight = w.qweight[:, k0 // per_byte:k1 // per_byte].contiguous()
-    if one_group:
-        return QuantizedWeight(qweight, w.scales.clone(), None if w.mins is None else w.mins.clone(), w.bits, k1 - k0,
-                               w.source, w.hadamard)
+    if one_group:  # replace(): whatever else the weight carries (its source, basis, flags) goes with it
+        return replace(w, qweight=qweight, scales=w.scales.clone(), mins=None if w.mins is None else w.mins.clone(),
+                       group=k1 - k0)
     g0, g1 = k0 // w.group, k1 // w.group
     mins = None if w.mins is None else w.mins[:, g0:g1].contiguous()
-    return QuantizedWeight(qweight, w.scales[:, g0:g1].contiguous(), mins, w.bits, w.group, w.source, w.hadamard)
+    return replace(w, qweight=qweight, scales=w.scales[:, g0:g1].contiguous(), mins=mins)

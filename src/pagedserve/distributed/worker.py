@@ -54,6 +54,7 @@ def serve(conn: Connection, model: torch.nn.Module, shard: RankShard) -> None:
             return
         if kind == "runner":
             runner = ModelRunner(model, shard.local_config(model.config), **payload)
+            model.decode_stack = None  # as on the driver (ParallelModelRunner)
         elif kind == "execute":
             runner.execute(payload)
         elif kind == "logits":
