@@ -169,3 +169,29 @@ def test_a_quantized_checkpoint_is_not_quantized_again(checkpoints):
 
     with pytest.raises(ValueError, match="already quantized .*compressed-tensors"):
         load_model(str(checkpoints / "w8a16"), "int4")
+
+
+@pytest.mark.slow
+def test_lora_and_an_int8_kv_cache_on_a_quantized_base(checkpoints, tmp_path):
+    """Adapters add to the quantized linears' outputs and the KV cache quantizes what they make: an adapter whose B
+    is zero leaves every token as the base gives it, a nonzero one changes them, both on an int8 KV cache."""
+    from pagedserve import LLM, LoRARequest, SamplingParams
+    from tests.lora_support import write_adapter
+
+    key = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    torch.manual_seed(0)
+    a = {key.format(i, "A"): torch.randn(4, 576) * 0.1 for i in range(30)}
+    zero = write_adapter(tmp_path / "zero", config, a | {key.format(i, "B"): torch.zeros(576, 4) for i in range(30)})
+    live = write_adapter(tmp_path / "live", config, a | {key.format(i, "B"): torch.randn(576, 4) for i in range(30)})
+    llm = LLM(str(checkpoints / "w4a16-gptq"), dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype="int8",
+              enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    prompts = ["The capital of France is", "Once upon a time"]
+
+    def run(adapter: LoRARequest | None) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=adapter)]
+
+    base = run(None)
+    assert run(LoRARequest("zero", 1, str(zero))) == base
+    assert run(LoRARequest("live", 2, str(live))) != base

@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 
 from pagedserve.model.checkpoints.compressed_tensors import load_compressed_tensors
+from pagedserve.model.checkpoints.gptq_awq import load_gptq_awq
 from pagedserve.model.fp8_linear import FP8Weight
 from pagedserve.model.quant import QuantizedWeight
 from pagedserve.model.quant_linear import gemm_path, kernel_path, w8a8_available
 
-SUPPORTED = ("compressed-tensors",)
+SUPPORTED = ("compressed-tensors", "gptq", "awq")
 
 
 def checkpoint_weights(tensors: dict[str, torch.Tensor], quantization_config: dict | None
@@ -20,6 +21,8 @@ def checkpoint_weights(tensors: dict[str, torch.Tensor], quantization_config: di
     method = quantization_config.get("quant_method")
     if method == "compressed-tensors":
         return load_compressed_tensors(tensors, quantization_config)
+    if method in ("gptq", "awq"):
+        return load_gptq_awq(tensors, quantization_config)
     raise ValueError(f"quantization_config quant_method {method!r} is not supported (supported: "
                      f"{', '.join(SUPPORTED)})")
 
