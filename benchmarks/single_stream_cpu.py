@@ -29,11 +29,11 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def llama_bench(gguf: str, threads: int, tokens: int) -> tuple[float, float]:
+def llama_bench(binary: str, gguf: str, threads: int, tokens: int) -> tuple[float, float]:
     """(CPU ms, wall ms) per generated token."""
     def run(n: int) -> tuple[float, float]:
         cpu, wall = children_cpu(), time.perf_counter()
-        subprocess.run([str(LLAMA_BENCH), "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(n), "-r", "1"],
+        subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(n), "-r", "1"],
                        capture_output=True, check=True)
         return children_cpu() - cpu, time.perf_counter() - wall
     (c1, w1_), (c2, w2) = run(32), run(32 + tokens)
@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--llama-bench", default=str(LLAMA_BENCH), help="llama-bench binary")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization, dtype="bfloat16",
                                     num_threads=args.threads, kv_cache_memory="256MiB"))
@@ -66,7 +67,7 @@ def main() -> None:
     ours, theirs = [], []
     for r in range(args.rounds):
         runs = [lambda: ours.append(pagedserve(engine, prompt, args.tokens)),
-                lambda: theirs.append(llama_bench(gguf, args.threads, args.tokens))]
+                lambda: theirs.append(llama_bench(args.llama_bench, gguf, args.threads, args.tokens))]
         for run in runs if r % 2 == 0 else runs[::-1]:
             run()
         print(f"round {r + 1}: pagedserve {ours[-1][0]:.2f} CPU ms/token ({ours[-1][1]:.2f} wall), llama.cpp "

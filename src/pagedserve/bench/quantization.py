@@ -36,6 +36,8 @@ QUICK = ["--modes", "none,gguf", "--requests", "4", "--length", "16", "--repeats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or packaged model (gemma-3-270m); default: SmolLM2-135M. "
+                   "Another model writes its own section, llama-bench on its GGUF")
     p.add_argument("--modes", default="none,gguf,int8,int4", help="comma-separated --quantization modes; the "
                    "first is the baseline of the ratios")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="activations' dtype")
@@ -68,12 +70,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def llama_bench(binary: str, threads: int, length: int) -> dict[str, float] | None:
-    """llama.cpp on the packaged GGUF: {"tg_ms": ms per generated token, "pp_tps": prompt tokens/s}."""
+def llama_bench(binary: str, threads: int, length: int, gguf: Path | None = None) -> dict[str, float] | None:
+    """llama.cpp on gguf (default: the packaged SmolLM2): {"tg_ms": ms per generated token, "pp_tps": prompt
+    tokens/s}."""
     if not Path(binary).is_file():
         log(f"no llama-bench at {binary} (benchmarks/peers/build_llama_server.sh builds it): peer skipped")
         return None
-    out = subprocess.run([binary, "-m", str(default_gguf()), "-p", str(length), "-n", str(length), "-t", str(threads),
+    out = subprocess.run([binary, "-m", str(gguf or default_gguf()), "-p", str(length), "-n", str(length), "-t", str(threads),
                           "-r", "3", "-o", "json"], capture_output=True, text=True, check=True, timeout=900)
     rows = json.loads(out.stdout)
     tg = next(r for r in rows if r["n_gen"] > 0)
@@ -85,7 +88,9 @@ def run_args(args: argparse.Namespace) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
 
     modes = args.modes.split(",")
-    engines = {m: LLMEngine(EngineConfig(dtype=args.dtype, quantization=m, num_threads=args.threads,
+    from pagedserve.model.loader import resolve_model_path
+
+    engines = {m: LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, quantization=m, num_threads=args.threads,
                                          kv_cache_memory=args.kv_cache_memory)) for m in modes}
     base = engines[modes[0]]
     tokens = corpus_tokens(base.tokenizer)
@@ -114,9 +119,11 @@ def run_args(args: argparse.Namespace) -> int:
                     outputs.setdefault(m, run.outputs)
             log(f"round {r + 1} {m}: single {ms:.1f} ms/token, " +
                 ", ".join(f"{name} {tps[name][m][-1]:.0f} tok/s" for name in workloads))
-    peer = llama_bench(args.llama_bench, args.threads, args.length)
+    path = resolve_model_path(args.model) if args.model else None  # None: the packaged SmolLM2 GGUF
+    peer = llama_bench(args.llama_bench, args.threads, args.length, path) if path is None or path.suffix == ".gguf" else None
     body = render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth)
-    return publish("Quantized weights (speed)", body, problems, args.docs, not args.no_write)
+    title = "Quantized weights (speed)" + (f": {args.model}" if args.model else "")
+    return publish(title, body, problems, args.docs, not args.no_write)
 
 
 def throughput(eng: LLMEngine, label: str, jobs: list[Job], problems: list[str]) -> Run:
@@ -137,7 +144,8 @@ def render(args, engines, singles, ttfts, tps, outputs, peer, bandwidth) -> str:
 
     modes, names = list(engines), list(tps)
     kernels = ", ".join(sorted({e.weights_info["quant_kernel"] for e in engines.values()} - {"none"})) or "none"
-    lines = [(f"Command: `pagedserve bench quantization --modes {args.modes} --threads {args.threads} "
+    model = f"--model {args.model} " if args.model else ""
+    lines = [(f"Command: `pagedserve bench quantization {model}--modes {args.modes} --threads {args.threads} "
              f"--requests {args.requests} --length {args.length} --mix-requests {args.mix_requests} "
              f"--repeats {args.repeats} --kv-cache-memory {args.kv_cache_memory}`"), "", machine_line(), "",
              ("| mode | dtype | weights MB | SINGLE ms/token | SINGLE TTFT ms | weight GB/s at one stream | " +
