@@ -266,6 +266,7 @@ def test_suffix_proposals_follow_frequent_continuations_and_other_requests():
     assert proposer.shared.find([60]) is None
 
 
+@pytest.mark.slow
 def test_suffix_method_greedy_identical(expected):
     llm = LLM(dtype="float32", kv_cache_memory="32MiB",
               speculative_config={"method": "suffix", "num_speculative_tokens": 4})
@@ -293,6 +294,7 @@ def test_lora_requests_verify_under_their_adapter(tmp_path, hf_model):
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_draft_model_of_the_same_model_accepts_everything_greedy(expected):
     from pagedserve.model.loader import default_model_path
 
