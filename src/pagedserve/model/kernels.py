@@ -35,9 +35,8 @@ def cpu_kernels():
     """The compiled extension module, or None when it cannot be built here."""
     from torch.utils.cpp_extension import load
 
-    # One folder per source version and checkout: ninja rebuilds whenever the source paths in its commands
-    # change, so two checkouts sharing a virtualenv would otherwise rebuild over each other in turn.
-    digest = hashlib.sha256(str(CSRC).encode() + b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
+    # One folder per source version: checkouts sharing a virtualenv never rebuild over each other.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
     build_dir = Path(sys.prefix) / "pagedserve_kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     _drop_stale_lock(build_dir / "lock")
