@@ -97,15 +97,26 @@ def token_ids(outs) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected() -> list[list[int]]:
-    return token_ids(LLM(dtype="float32", kv_cache_memory="32MiB").generate(QUOTING + OPEN, GREEDY))
+def base_llm() -> LLM:
+    return LLM(dtype="float32", kv_cache_memory="32MiB")
 
 
-def test_greedy_identical_and_prefix_hits(expected):
+@pytest.fixture(scope="module")
+def spec_llm() -> LLM:
     llm = LLM(dtype="float32", kv_cache_memory="32MiB", speculative_config=NGRAM)
     check_kv_after_each_step(llm)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def expected(base_llm) -> list[list[int]]:
+    return token_ids(base_llm.generate(QUOTING + OPEN, GREEDY))
+
+
+def test_greedy_identical_and_prefix_hits(expected, spec_llm):
+    llm = spec_llm
     assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected
-    stats = llm.engine.spec_stats
+    stats = llm.engine.spec_stats.copy()
     assert stats.num_accepted_tokens > 20 and stats.acceptance_lengths[4] > 0  # whole runs of 4 accepted
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # and some rejected (the open prompts)
     before = llm.engine.stats().prefix_cache_hit_tokens
@@ -139,9 +150,8 @@ def step_sizes(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int]
     return ids, sizes
 
 
-def test_stops_inside_an_accepted_run_are_exact():
-    base = LLM(dtype="float32", kv_cache_memory="16MiB")
-    llm = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config=NGRAM)
+def test_stops_inside_an_accepted_run_are_exact(base_llm, spec_llm):
+    base, llm = base_llm, spec_llm
     full, sizes = step_sizes(llm, QUOTING[0], GREEDY)
     assert full == token_ids(base.generate(QUOTING[0], GREEDY))[0]
     ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
@@ -157,19 +167,19 @@ def test_stops_inside_an_accepted_run_are_exact():
 
 # -- sampled requests ------------------------------------------------------------------------------
 
-def test_seeded_sampling_draws_the_same_tokens_as_without_speculation():
+def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(base_llm, spec_llm):
     # Each position is sampled from the target's distribution with the uniform of (seed, output position), so a
     # seeded request draws exactly what it draws without speculation (fp32: the logits match too), penalties,
     # top-k/top-p/min-p, logprobs and output constraints included, and again on a second run.
-    base = LLM(dtype="float32", kv_cache_memory="16MiB")
-    llm = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config=NGRAM)
+    base, llm = base_llm, spec_llm
+    accepted = llm.engine.spec_stats.num_accepted_tokens
     params = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                             presence_penalty=0.2, frequency_penalty=0.1, seed=s, max_tokens=24, logprobs=2)
-              for s in range(3)]
-    params.append(SamplingParams(temperature=0.5, seed=7, max_tokens=24, min_tokens=20))
-    params.append(SamplingParams(temperature=0, max_tokens=24,
+                             presence_penalty=0.2, frequency_penalty=0.1, seed=s, max_tokens=16, logprobs=2)
+              for s in range(2)]
+    params.append(SamplingParams(temperature=0.5, seed=7, max_tokens=16, min_tokens=12))
+    params.append(SamplingParams(temperature=0, max_tokens=16,
                                  guided_decoding=GuidedDecodingParams(regex="(The quick brown fox[a-z ]*\\.)+")))
-    prompts = [QUOTING[0], QUOTING[1], QUOTING[2], QUOTING[0], QUOTING[0]]
+    prompts = [QUOTING[0], QUOTING[1], QUOTING[0], QUOTING[0]]
     want = base.generate(prompts, params)
     for _ in range(2):
         got = llm.generate(prompts, params)
@@ -179,33 +189,49 @@ def test_seeded_sampling_draws_the_same_tokens_as_without_speculation():
                 assert [list(e) for e in g.outputs[0].logprobs] == [list(e) for e in w.outputs[0].logprobs]
                 assert [e[t].logprob for e, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)] == pytest.approx(
                     [e[t].logprob for e, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)], abs=1e-4)
-    assert got[4].outputs[0].text.startswith("The quick brown fox")
-    assert llm.engine.spec_stats.num_accepted_tokens > 10
+    assert got[3].outputs[0].text.startswith("The quick brown fox")
+    assert llm.engine.spec_stats.num_accepted_tokens - accepted > 10
 
 
+@pytest.mark.slow
 def test_next_tokens_distribution_matches_without_speculation():
     # Two independent samples (different seeds) of the 2nd and 3rd tokens after a prompt that quotes its context:
     # with speculation the 2nd is a verified proposal (accepted with p(x), else drawn from the residual) and the
     # 3rd often the bonus token. A chi-square test of homogeneity over the (2nd, 3rd) pairs.
-    from scipy.stats import chi2_contingency
-
     draws, n = 1600, 16
     spec = {**NGRAM, "num_speculative_tokens": 2, "disable_by_batch_size": 1 << 20}
     counts = []
     for config, offset in [(None, 0), (spec, 10**6)]:
-        llm = LLM(kv_cache_memory="64MiB", max_num_seqs=256, speculative_config=config)
-        params = [SamplingParams(n=n, temperature=1.0, top_k=20, repetition_penalty=1.2, seed=offset + s, max_tokens=3,
-                                 ignore_eos=True) for s in range(draws // n)]
-        outs = llm.generate([QUOTING[0]] * len(params), params)
+        # room for every running sequence's own blocks: proposals that do not fit are dropped, not verified
+        llm = LLM(kv_cache_memory="256MiB", max_num_seqs=128, speculative_config=config)
+        params = [SamplingParams(n=n, temperature=1.2, top_k=20, seed=offset + s, max_tokens=3, ignore_eos=True)
+                  for s in range(draws // n)]
+        outs = llm.generate([QUOTING[0].rstrip()] * len(params), params)  # "... the lazy": " dog" is proposed
         pairs = [tuple(c.token_ids[1:3]) for o in outs for c in o.outputs]
         counts.append({p: pairs.count(p) for p in set(pairs)})
         if config is not None:
             stats = llm.engine.spec_stats
-            assert stats.num_draft_tokens >= draws // 2 and stats.num_accepted_tokens >= draws // 10
+            assert stats.num_draft_tokens >= draws // 4 and stats.num_accepted_tokens >= draws // 10
     common = [p for p in counts[0] if counts[0][p] + counts[1].get(p, 0) >= 10]
     table = [[c.get(p, 0) for p in common] + [draws - sum(c.get(p, 0) for p in common)] for c in counts]
-    assert len(common) >= 5
-    assert chi2_contingency(table).pvalue > 1e-3
+    assert len(common) >= 4
+    assert chi_square_pvalue(table) > 1e-3
+
+
+def chi_square_pvalue(table: list[list[int]]) -> float:
+    """Pearson's test of homogeneity of the rows of a contingency table (scipy's chi2_contingency, by hand)."""
+    import torch
+
+    observed = torch.tensor(table, dtype=torch.float64)
+    expected = observed.sum(1, keepdim=True) * observed.sum(0, keepdim=True) / observed.sum()
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    df = (observed.shape[0] - 1) * (observed.shape[1] - 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))
+
+
+def test_chi_square_by_hand_matches_the_textbook():
+    # 2 x 3 table: expected 15, 20, 25 per row, statistic 16/3 with 2 degrees of freedom, p = exp(-8/3)
+    assert chi_square_pvalue([[10, 20, 30], [20, 20, 20]]) == pytest.approx(0.069483, rel=1e-4)
 
 
 def test_metrics_follow_vllm_names():
@@ -255,14 +281,16 @@ def test_suffix_proposals_follow_frequent_continuations_and_other_requests():
     assert proposer.shared.find([60]) is None
 
 
+@pytest.mark.slow
 def test_suffix_method_greedy_identical(expected):
     llm = LLM(dtype="float32", kv_cache_memory="32MiB",
               speculative_config={"method": "suffix", "num_speculative_tokens": 4})
     check_kv_after_each_step(llm)
-    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected
+    prompts, want = [QUOTING[1], QUOTING[2], OPEN[0]], [expected[1], expected[2], expected[3]]
+    assert token_ids(llm.generate(prompts, GREEDY)) == want
     first = llm.engine.spec_stats.copy()
-    assert first.num_accepted_tokens > 20
-    assert token_ids(llm.generate(QUOTING + OPEN, GREEDY)) == expected  # now also from the shared trie
+    assert first.num_accepted_tokens > 10
+    assert token_ids(llm.generate(prompts, GREEDY)) == want  # now also from the shared trie
     assert llm.engine.spec_stats.num_accepted_tokens - first.num_accepted_tokens > first.num_accepted_tokens
 
 
@@ -279,3 +307,22 @@ def test_lora_requests_verify_under_their_adapter(tmp_path, hf_model):
     assert want[0] != want[1]  # the adapter changes the output, so the identity below means something
     assert token_ids(llm.generate(prompts, GREEDY, lora_request=loras)) == want
     assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_draft_model_of_the_same_model_accepts_everything_greedy(expected):
+    from pagedserve.model.loader import default_model_path
+
+    draft = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3,
+             "draft_kv_cache_memory": "16MiB"}
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", speculative_config=draft)
+    prompts, want = [QUOTING[1], OPEN[0]], [expected[1], expected[3]]
+    assert token_ids(llm.generate(prompts, GREEDY)) == want
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 10 and stats.acceptance_rate > 0.95
+    assert llm.engine.proposer.method.kv.num_free_blocks == llm.engine.proposer.method.kv.num_blocks  # all released
+
+
+def test_draft_model_needs_a_model():
+    with pytest.raises(ValueError, match='needs "model"'):
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(slots=True)
@@ -17,6 +17,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: proposals verified per step (at most k + 1 tokens accepted)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (vLLM: 5 when neither bound is given)
     prompt_lookup_max: int | None = None  # ngram: longest suffix matched, tried first
+    # draft_model: the draft (a GGUF file, HF folder or packaged name sharing the target's tokenizer) and its KV pool
+    model: str | None = None
+    draft_kv_cache_memory: str = "256MiB"
     # suffix: the tries' depth (longest pattern matched + proposal), finished outputs kept in the shared trie,
     # and the least probability a proposal's path may have (it stops growing below)
     suffix_decoding_max_tree_depth: int = 24
@@ -34,6 +37,9 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
         _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         _check_fraction("min_acceptance_rate", self.min_acceptance_rate)
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise ValueError('the draft_model method needs "model": the draft model (GGUF file, HF folder or packaged '
+                             "name) sharing the target's tokenizer")
         if self.method == "suffix":
             _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth,
                        self.num_speculative_tokens + 1, 64)

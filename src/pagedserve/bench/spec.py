@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"a --speculative-config to compare (repeatable; default: {NGRAM})")
     p.add_argument("--batch", type=int, default=16,
                    help="also a batch of this many streams at once over every workload (output tok/s); 0: none")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md is")
     p.add_argument("--no-write", action="store_true", help="print the table only")
@@ -102,9 +103,10 @@ def run_args(args: argparse.Namespace) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
 
     methods = args.methods or [NGRAM]
-    engines = {"off": LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="256MiB"))}
+    common = {"dtype": args.dtype, "kv_cache_memory": "256MiB", "num_threads": args.threads}
+    engines = {"off": LLMEngine(EngineConfig(**common))}
     for spec in methods:
-        engines[spec] = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="256MiB", speculative_config=spec))
+        engines[spec] = LLMEngine(EngineConfig(**common, speculative_config=spec))
     texts = prompts(engines["off"].tokenizer)
     workloads = args.workloads.split(",")
     ms: dict[tuple[str, str], list[float]] = {}
@@ -135,7 +137,8 @@ def run_args(args: argparse.Namespace) -> int:
 
 def render(args, engines: dict, workloads: list[str], ms: dict, outputs: dict, accept: dict, rag_len: int) -> str:
     lines = [f"Command: `{command_line()}`", "", machine_line(), "",
-             (f"One stream, greedy, {args.output} output tokens (EOS ignored), dtype {args.dtype}; ms per output token "
+             (f"One stream, greedy, {args.output} output tokens (EOS ignored), dtype {args.dtype}, {args.threads or 'all'} "
+              f"torch threads; ms per output token "
               f"after the first: median (min-max) over {args.repeats} rounds. The retrieval prompt is {rag_len} "
               "tokens."), "",
              "| workload | speculation | ms/token | speedup | acceptance rate | tokens per draft | drafts | same output |",

@@ -118,7 +118,8 @@ class LLMEngine:
         if self.spec_config is not None and self.kv_format.int4:
             raise ValueError("speculative decoding is not supported with --kv-cache-dtype int4 (a block's keys are "
                              "quantized as it fills, rejected proposals' keys included); supported: every other")
-        self.proposer = Proposer(self.spec_config) if self.spec_config is not None else None
+        self.proposer = (Proposer(self.spec_config, self.dtype, config.block_size, loaded.config.vocab_size,
+                                  config.max_num_seqs) if self.spec_config is not None else None)
         self.spec_stats = SpecDecodeStats(self.spec_config.method) if self.spec_config is not None else None
         pool_bytes = parse_size(config.kv_cache_memory) - ModelRunner.fixed_bytes(
             loaded.config, self.kv_format, config.block_size, config.max_num_seqs)
@@ -401,7 +402,7 @@ class LLMEngine:
             out = sample(logits, SamplingBatch.build(reqs, logits.shape[1], self.grammars.fill_mask(reqs)))
             self._process(reqs, out, touched)
         if self.proposer is not None:
-            self.proposer.propose(reqs, len(self.scheduler.running))
+            self.proposer.propose(reqs, self.scheduler.running)
         return failed + [self._output(g) for g in touched.values()]
 
     def _score_prompts(self, batch: BatchInputs, hidden: torch.Tensor) -> None:
