@@ -125,6 +125,7 @@ def test_greedy_identical_and_prefix_hits(expected, spec_llm):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.slow  # two more engines (13 s); the fast suite keeps greedy identity with prefix hits and stops
 @pytest.mark.parametrize("engine_args", [
     pytest.param({"max_num_batched_tokens": 24}, id="chunked-prefill"),  # proposals cut to the token budget too
     pytest.param({"kv_cache_memory": str(9 * 16 * 30 * 2 * 192 * 4)}, id="preemption"),  # 9 blocks

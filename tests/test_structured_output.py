@@ -33,6 +33,7 @@ def guided(max_tokens: int = 160, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, guided_decoding=GuidedDecodingParams(**spec), **kw)
 
 
+@pytest.mark.slow  # 26 s: every schema of the suite decoded; make test keeps the single-schema checks
 def test_every_schema_output_validates_in_a_batch_mixed_with_free_requests(llm):
     """22 schemas x 2 prompts, greedy and seeded samples with n = 2, beside unconstrained requests."""
     prompts, params, expect = [], [], []
