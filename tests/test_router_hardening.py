@@ -240,7 +240,7 @@ def test_5xx_with_a_failing_probe_ejects_at_once(faulty, tmp_path):
             assert response.status_code == 200 and response.headers["x-pagedserve-replica"] == "r1"
             if router.metric("pagedserve_router_failovers_total", replica="r0") >= 1:
                 break
-        wait_for(lambda: not router.replica_states()["r0"], 10, "r0 ejected by the confirming probe")
+        wait_for(lambda: not router.replica_states()["r0"], 30, "r0 ejected by the confirming probe")
         assert router.metric("pagedserve_router_ejections_total", replica="r0", source="confirmed") == 1
 
 
