@@ -6,22 +6,12 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.kernels import cpu_kernels
+from tests.stack_support import Counted
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the stack is part of the C++ kernels")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of robotics are",
            "Write a haiku about the sea", "List three prime numbers:", "Dear Sir,"]
-
-
-class Counted:
-    """The stack, counting the steps it ran."""
-
-    def __init__(self, stack) -> None:
-        self.stack, self.steps = stack, 0
-
-    def forward(self, *args):
-        self.steps += 1
-        return self.stack.forward(*args)
 
 
 def generate(llm: LLM, prompts: list[str], stack: bool) -> tuple[list, int]:

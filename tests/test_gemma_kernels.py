@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.model.sliding_window import window_attention, window_metadata
+from tests.stack_support import Counted
 from tests.test_fused_ops import (
     BF16,
     KV_FORMATS,
@@ -157,17 +158,6 @@ def test_windowed_prefill_attention(kernels, path: str, kv_cache_dtype: str, hea
 # -- the real model: Gemma 3 270M, bf16 over the GGUF's quantized linears -------------------------------------------
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 LONG = "A short history of the printing press: " + "movable type, presses and paper mills. " * 70  # > 512 tokens
-
-
-class Counted:
-    """The stack, counting the steps it ran."""
-
-    def __init__(self, stack) -> None:
-        self.stack, self.steps = stack, 0
-
-    def forward(self, *args):
-        self.steps += 1
-        return self.stack.forward(*args)
 
 
 @pytest.fixture(scope="module")
