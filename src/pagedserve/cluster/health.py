@@ -62,12 +62,17 @@ class HealthMonitor:
         await asyncio.gather(*(self.probe(r) for r in self.replicas if r.kv_role != "prefill"))
 
     async def probe(self, replica: Replica) -> None:
+        ejections = replica.ejections
         ok, reason = await self._check(replica)
         if ok and self.disaggregated:
             reason = await self._kv_mismatch(replica)
             ok = reason is None
-        if ok:  # what it serves changes at run time (LoRA adapters loaded, unloaded): read it on every probe
-            await self._load_info(replica)
+        # What it serves changes at run time (LoRA adapters loaded, unloaded): read it on every probe.
+        info = await self._load_info(replica) if ok else None
+        if replica.ejections != ejections:  # begun before an ejection: it says nothing of the replica since
+            return
+        if ok:
+            replica.models, replica.kv_tokens = info
             self._probe_succeeded(replica)
         else:
             self._probe_failed(replica, reason)
@@ -107,17 +112,20 @@ class HealthMonitor:
         replica.observe_latency((time.perf_counter() - start) * 1000)
         return True, ""
 
-    async def _load_info(self, replica: Replica) -> None:
+    async def _load_info(self, replica: Replica) -> tuple[list[str], int | None]:
         """What the replica serves and how large its KV pool is (for the prefix index's budget)."""
         try:
             response = await self.client.get(replica.url + "/v1/models", timeout=self.timeout_s)
-            replica.models = [m["id"] for m in response.json().get("data", [])]
+            models = [m["id"] for m in response.json().get("data", [])]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return [], replica.kv_tokens
+        try:
             metrics = await self.client.get(replica.url + "/metrics", timeout=self.timeout_s)
             blocks = sum(s.value for f in text_string_to_metric_families(metrics.text) for s in f.samples
                          if s.name == "pagedserve_kv_blocks_total")
-            replica.kv_tokens = int(blocks * BLOCK_TOKENS) or None
+            return models, int(blocks * BLOCK_TOKENS) or None
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-            replica.models = []
+            return models, replica.kv_tokens
 
     def _probe_succeeded(self, replica: Replica) -> None:
         replica.consecutive_failures = 0
@@ -170,6 +178,7 @@ class HealthMonitor:
 
     def eject(self, replica: Replica, reason: str, source: str) -> None:
         replica.healthy = False
+        replica.ejections += 1
         replica.ejected_reason = reason
         replica.consecutive_successes = 0
         replica.models = []

@@ -16,6 +16,7 @@ class Replica:
     ejected_reason: str = "not probed yet"
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    ejections: int = 0  # a probe begun before the latest ejection is stale: it cannot re-admit
     inflight_requests: int = 0
     inflight_tokens: int = 0
     latency_ms: float | None = None  # EWMA of measured probe round-trips
