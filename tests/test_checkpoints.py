@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -195,3 +196,25 @@ def test_lora_and_an_int8_kv_cache_on_a_quantized_base(checkpoints, tmp_path):
     base = run(None)
     assert run(LoRARequest("zero", 1, str(zero))) == base
     assert run(LoRARequest("live", 2, str(live))) != base
+
+
+def test_models_and_metrics_name_the_scheme_and_kernel_over_http(checkpoints):
+    """A served checkpoint: the official client's models.list() and /metrics say the scheme and the kernel path."""
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server_support import ServerProcess
+
+    server = ServerProcess(["--model", str(checkpoints / "w4a16-gptq"), "--dtype", "float32",
+                            "--kv-cache-memory", "64MiB"])
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        card = client.models.list().data[0].model_dump()
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    finally:
+        server.stop()
+    assert card["quantization"].startswith("compressed-tensors") and "int4" in card["quantization"]
+    assert card["quant_kernel"] not in (None, "none")
+    info = next(s.labels for f in text_string_to_metric_families(metrics) for s in f.samples
+                if s.name == "pagedserve_model_info")
+    assert (info["quantization"], info["quant_kernel"]) == (card["quantization"], card["quant_kernel"])

@@ -186,7 +186,8 @@ def _open_routes(state: ServerState) -> APIRouter:
 def _model_cards(state: ServerState) -> list[ModelCard]:
     info = state.engine.engine.weights_info
     cards = [ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len, dtype=info["dtype"],
-                       quantization=info["quantization"], kv_cache_dtype=info["kv_cache_dtype"])]
+                       quantization=info["quantization"], quant_kernel=info["quant_kernel"],
+                       kv_cache_dtype=info["kv_cache_dtype"])]
     cards += [ModelCard(id=name, root=lora.lora_path, parent=state.model_name, max_model_len=state.engine.max_model_len)
               for name, lora in state.loras.items()]
     if state.embedder is not None:

@@ -570,7 +570,8 @@ class ModelCard(BaseModel):
     owned_by: str = "pagedserve"
     max_model_len: int | None = None
     dtype: str | None = None  # the LLM's compute dtype
-    quantization: str | None = None  # the LLM's weights: none | gguf | int8 | int4
+    quantization: str | None = None  # the LLM's weights: none | gguf | int8 | int4 | compressed-tensors (...) | gptq ...
+    quant_kernel: str | None = None  # the kernel path its quantized weights run on (none when unquantized)
     kv_cache_dtype: str | None = None  # the LLM's KV cache storage: bfloat16 | float32 | fp8_e4m3 | fp8_e5m2 | int8 | int4
     root: str | None = None  # a LoRA adapter: where it was loaded from
     parent: str | None = None  # a LoRA adapter: the base model it runs on
