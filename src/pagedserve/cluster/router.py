@@ -115,8 +115,9 @@ class Router:
                                                       timeout=self.config.request_timeout_s)
         except httpx.HTTPError as exc:
             problem = f"loading adapter {name} failed: {type(exc).__name__} {exc}".strip()
-        else:  # a 400 "already served" means a load that raced ours (or an earlier one) got there first
-            if response.status_code == 200 or (response.status_code == 400 and "already" in response.text):
+        else:  # a 400 "already served" means a load that raced ours (or an earlier one) got there first (the
+            # replica answers it only once such a load settled)
+            if response.status_code == 200 or (response.status_code == 400 and "already served" in response.text):
                 if name not in replica.models:
                     replica.models.append(name)
                 self.metrics.lora_loads.labels(replica.name, name, "loaded").inc()

@@ -83,7 +83,7 @@ def register_startup_adapters(state: ServerState, modules: list[tuple[str, str, 
 
 def lora_routes(state: ServerState) -> APIRouter:
     r = APIRouter(dependencies=[Depends(peer_dependency(state.peer_key, "run-time adapter loading"))])
-    loading: set[str] = set()  # names whose load is under way (the event loop's own: no lock needed)
+    loading: dict[str, asyncio.Future] = {}  # loads under way by name (the event loop's own: no lock needed)
 
     @r.post("/v1/load_lora_adapter", response_model=None, responses=TEXT_DOC)
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
@@ -91,19 +91,21 @@ def lora_routes(state: ServerState) -> APIRouter:
         if loras is None:
             raise APIError(400, "this server does not serve LoRA adapters (start it with --enable-lora)",
                            "lora_name")
+        if name in loading:  # answer once the load under way settled, so "already served" is true when said
+            await asyncio.wait([loading[name]])
+            if name not in state.loras:
+                raise APIError(400, f"a concurrent load of the adapter '{name}' failed", "lora_name")
         if name == state.model_name or name in state.loras:
             raise APIError(400, f"the model '{name}' is already served; unload it first", "lora_name")
-        if name in loading:
-            raise APIError(400, f"the adapter '{name}' is already being loaded", "lora_name")
         request = LoRARequest(name, next(_ids), req.lora_path)
-        loading.add(name)
+        loading[name] = load = asyncio.wrap_future(loras.submit(request))
         try:
-            await asyncio.wrap_future(loras.submit(request))
+            await load
+            state.loras[name] = request  # before the waiters on `load` look
         except ValueError as exc:
             raise APIError(400, str(exc), "lora_path") from None
         finally:
-            loading.discard(name)
-        state.loras[name] = request
+            del loading[name]
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @r.post("/v1/unload_lora_adapter", response_model=None, responses=TEXT_DOC)
