@@ -78,6 +78,14 @@ def test_regex_choice_and_grammars(llm):
             assert c.finish_reason == "stop" and check(c.text), (spec, c.text, c.finish_reason)
 
 
+def test_offline_checks_each_spec_once_then_compiles_a_matcher_per_request(llm):
+    before = llm.engine.grammars.compiles
+    spec = {"regex": r"[a-z]{1,8} [0-9]{1,4}"}  # seen by no other test: its check is not remembered yet
+    outs = llm.generate(["a", "b", "c", "d"], guided(max_tokens=16, **spec))
+    assert all(re.fullmatch(r"[a-z]{1,8} [0-9]{1,4}", o.outputs[0].text) for o in outs)
+    assert llm.engine.grammars.compiles - before == 1 + 4
+
+
 def test_seeds_stop_strings_and_length(llm):
     prompt = chat(llm, "Invent a person.")
     params = guided(json=SCHEMAS["person"], temperature=0.9, seed=123)

@@ -33,9 +33,10 @@ class LLM:
         if len(per_prompt) != len(prompts) or len(loras) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams and {len(loras)} LoRA requests for "
                              f"{len(prompts)} prompts")
-        for p in per_prompt:  # offline, an invalid constraint raises here (the server answers 400)
-            if p.guided_decoding is not None:
-                self.engine.grammars.compile(p.guided_decoding)
+        # Offline, an invalid constraint raises here (the server answers 400); each distinct spec is checked once.
+        specs = {p.guided_decoding.key: p.guided_decoding for p in per_prompt if p.guided_decoding is not None}
+        for spec in specs.values():
+            self.engine.grammars.check(spec).result()
         for lora in {lora for lora in loras if lora is not None}:  # and an adapter that cannot load
             if self.engine.loras is not None and self.engine.loras.get(lora) is None:
                 self.engine.loras.load(lora)
