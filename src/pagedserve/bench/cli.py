@@ -24,6 +24,7 @@ BENCHMARKS = {
     "disagg": "disaggregated prefill/decode: KV transfer GB/s vs memcpy and loopback; 1P+1D vs 2 co-located",
     "retrieval": "retrieval: recall@3 and MRR of BM25, dense and hybrid; search latency at 1k-100k chunks",
     "tp": "tensor parallelism: all-reduce latency by size (shm vs gloo); W1 and one stream, TP=1 vs TP=2",
+    "checkpoints": "quantized checkpoints (compressed-tensors): W1 and one stream vs vLLM CPU on the same folders",
     "spec": "speculative decoding: one stream ms/token with and without ngram on quoting and open workloads",
 }
 

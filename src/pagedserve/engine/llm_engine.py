@@ -157,7 +157,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("loaded %s (%s, quantization %s, weights %.1f MB resident) in %.1fs: %d KV blocks of %d "
-                    "tokens in %s (%d tokens), max_model_len %d", self.model_name, self.dtype, self.quantization,
+                    "tokens in %s (%d tokens), max_model_len %d", self.model_name, self.dtype, self.weights_info["quantization"],
                     self.weight_bytes / 1e6, time.perf_counter() - t0, num_blocks, config.block_size,
                     self.kv_format.name, num_blocks * config.block_size, self.max_model_len)
 
