@@ -77,12 +77,44 @@ def test_gptq_unpacks_exactly(bits, group, sym):
     check(weights, q, zeros, scales, size, bits)
 
 
-def test_gptq_activation_order_is_refused_by_name():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_activation_order_runs_the_checkpoints_matrix(bits):
+    """desc_act: g_idx scatters each group's channels over K (GPTQ quantized them by decreasing Hessian diagonal).
+    Loaded once into contiguous groups, the weight reads the input in that order: every kernel path (the integer
+    kernel for a few rows, the dequantizing GEMM for many) gives x @ W^T of the checkpoint's W; q, k and v, which
+    share their input and so their order, still fuse into one call."""
+    from pagedserve.model.layers import fuse
+    from pagedserve.model.quant_linear import QuantLinear
+
+    torch.manual_seed(bits)
+    group = 64
+    g_idx = (torch.argsort(torch.rand(K)) // group).int()
+    q = torch.randint(0, 1 << bits, (K, N))
+    zeros = torch.full((K // group, N), 1 << (bits - 1))
+    scales = (torch.rand(K // group, N) * 0.02 + 0.001).half()
+    qweight, qzeros = gptq_pack(q, zeros, bits)
+    tensors = {f"{p}.{part}": t for p in ("q", "k") for part, t in
+               (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx))}
+    weights, _ = checkpoint_weights(tensors, {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                              "sym": True, "desc_act": True})
+    g = g_idx.long()
+    want = ((q.float() - zeros.float()[g]) * scales.float()[g]).t()
+    assert weights["q.weight"].input_perm is not None and torch.equal(weights["q.weight"].dequantize(), want)
+    fuse(weights, "qk.weight", ["q.weight", "k.weight"])
+    fused = weights["qk.weight"]
+    assert isinstance(fused, QuantizedWeight) and fused.input_perm is not None
+    for rows in (2, 64):  # int8 weights' integer kernel rounds the activations to int16: 1e-3 of the largest output
+        x = torch.randn(rows, K)
+        got, ref = QuantLinear(fused)(x), x @ torch.cat([want, want]).t()
+        assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (rows, (got - ref).abs().max())
+
+
+def test_gptq_activation_order_with_uneven_groups_is_refused_by_name():
     q, zeros = torch.randint(0, 16, (K, N)), torch.full((2, N), 8)
     qweight, qzeros = gptq_pack(q, zeros, 4)
     tensors = {"layer.qweight": qweight, "layer.qzeros": qzeros, "layer.scales": torch.ones(2, N).half(),
-               "layer.g_idx": (torch.randperm(K) // 128).int()}
-    with pytest.raises(ValueError, match="activation order"):
+               "layer.g_idx": (torch.arange(K) % 3 == 0).int()}
+    with pytest.raises(ValueError, match="activation order whose groups are not all 128"):
         checkpoint_weights(tensors, {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True})
 
 

@@ -99,6 +99,9 @@ def columns_of(w: torch.Tensor | QuantizedWeight, cols: range) -> torch.Tensor |
         return w[:, cols.start:cols.stop].contiguous()
     n, k = w.shape
     k0, k1 = cols.start, cols.stop
+    if w.input_perm is not None:
+        raise ValueError(f"cannot split a {n}x{k} {w.source} weight in GPTQ's activation order by input columns: its "
+                         "stored columns mix every rank's inputs (serve it without --tensor-parallel-size)")
     one_group = w.group == k  # per channel: each part keeps the row's scale, as one group of its own width
     unit = GGUF_BLOCK if one_group else w.group
     if k0 % unit or k1 % unit or (w.hadamard and (k0 % w.hadamard or k1 % w.hadamard)):

@@ -35,7 +35,8 @@ def build_decode_stack(model: Any, stack_cls: str = "DecodeStack") -> Any | None
     linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                for layer in model.layers]
     if not all(isinstance(m, QuantLinear) and m.bias is None and not m.qweight.per_token_int8
-               for group in linears for m in group):  # a checkpoint's W8A8 quantizes its tokens in Python
+               and m.qweight.input_perm is None  # W8A8 quantizes its tokens, GPTQ's act order gathers them, in Python
+               for group in linears for m in group):
         return None
     amx_min_rows = few_rows_limit(torch.bfloat16) if gemm_path() == "amx" else 1 << 30
     attn = model.layers[0].self_attn

@@ -93,7 +93,7 @@ def fuse(weights: dict[str, torch.Tensor | QuantizedWeight | FP8Weight], fused: 
         weights[fused] = FP8Weight.cat(tensors)
         return
     quantized = [isinstance(t, QuantizedWeight | FP8Weight) for t in tensors]
-    if all(quantized) and len({(t.bits, t.group, t.mins is None) for t in tensors}) == 1:
+    if all(isinstance(t, QuantizedWeight) and t.fuses_with(tensors[0]) for t in tensors):
         weights[fused] = QuantizedWeight.cat(tensors)
     else:  # mixed formats (say Q4_K beside Q6_K) cannot share one kernel call: that projection runs in float
         weights[fused] = torch.cat([t.dequantize() if q else t for t, q in zip(tensors, quantized)], dim=0)

@@ -36,6 +36,9 @@ class QuantizedWeight:
     source: str  # what it was converted from: a GGUF type, or int8 / int4
     hadamard: int = 0  # K in blocks of this width turned by Hadamard's matrix (0: not turned)
     per_token_int8: bool = False  # a checkpoint's W8A8: activations quantized per token to int8 (quant_linear.py)
+    # GPTQ's activation order: the stored columns are the input channels in this order (their groups made
+    # contiguous once at load), so the kernels read x[:, input_perm]; None: the input's own order
+    input_perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,31 +58,40 @@ class QuantizedWeight:
         return self.qweight.float()
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [N, K], in plain PyTorch: the reference the kernels are tested against."""
+        """fp32 [N, K] in the input's column order, in plain PyTorch: the reference the kernels are tested against."""
         n, k = self.shape
         w = self.levels().view(n, k // self.group, self.group) * self.scales.float().unsqueeze(-1)
         if self.mins is not None:
             w = w + self.mins.float().unsqueeze(-1)
-        return w.reshape(n, k)
+        w = w.reshape(n, k)
+        if self.input_perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.input_perm, w)
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows at index (a permutation or a selection), same layout."""
         mins = None if self.mins is None else self.mins[index].contiguous()
         return QuantizedWeight(self.qweight[index].contiguous(), self.scales[index].contiguous(), mins, self.bits,
-                               self.group, self.source, self.hadamard, self.per_token_int8)
+                               self.group, self.source, self.hadamard, self.per_token_int8, self.input_perm)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Rows of several weights of one format stacked (fused qkv and gate_up projections)."""
         first = parts[0]
-        if any((p.bits, p.group, p.mins is None, p.hadamard, p.per_token_int8)
-               != (first.bits, first.group, first.mins is None, first.hadamard, first.per_token_int8) for p in parts):
+        if not all(p.fuses_with(first) for p in parts):
             raise ValueError(f"cannot fuse weights of different formats: {sorted({p.source for p in parts})}")
         dtype = first.scales.dtype if len({p.scales.dtype for p in parts}) == 1 else torch.float32
         mins = None if first.mins is None else torch.cat([p.mins.to(dtype) for p in parts])
         return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales.to(dtype) for p in parts]),
                                mins, first.bits, first.group, "+".join(sorted({p.source for p in parts})), first.hadamard,
-                               first.per_token_int8)
+                               first.per_token_int8, first.input_perm)
+
+    def fuses_with(self, other: QuantizedWeight) -> bool:
+        """Whether one kernel call can run both stacked: the same format and the same input order."""
+        same_order = (self.input_perm is None) == (other.input_perm is None) and (
+            self.input_perm is None or torch.equal(self.input_perm, other.input_perm))
+        return same_order and (self.bits, self.group, self.mins is None, self.hadamard, self.per_token_int8) == (
+            other.bits, other.group, other.mins is None, other.hadamard, other.per_token_int8)
 
 
 def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:

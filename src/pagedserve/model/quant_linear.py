@@ -117,6 +117,8 @@ def _forced(path: str) -> bool:
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_rows: int | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ residual) in x's dtype."""
+    if w.input_perm is not None and path != "torch":  # GPTQ's activation order: the kernels read the columns as
+        x = x.index_select(-1, w.input_perm)           # stored (dequantize() gives them in the input's order)
     if w.hadamard:
         if x.dtype == torch.bfloat16 and w8a8_available():
             return cpu_kernels().quant_linear_w8a8(x.contiguous(), w.qweight, w.scales, w.hadamard,
@@ -158,7 +160,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         w = self.qweight
-        return f"in={self.in_features}, out={self.out_features}, {w.source} ({w.bits}-bit, group {w.group})"
+        order = ", activation order" if w.input_perm is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, {w.source} ({w.bits}-bit, group {w.group}{order})"
 
 
 class QuantEmbedding(nn.Module):

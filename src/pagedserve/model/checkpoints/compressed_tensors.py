@@ -11,15 +11,17 @@ model/quant.py so that the existing int4 / int8 kernels run them, without loss.
 
 Groups that do not divide K (compressed-tensors allows a short last group) or are not a multiple of 32 are
 split into the largest common divisor with K that is one (scales repeated), e.g. 128 over K = 576 -> 64.
-Anything else (other bit widths, asymmetric 8 bits, activation orders, sparsity, transforms, KV schemes) is an
-error that names it.
+An activation order (`weight_g_idx`, actorder "group") is reordered once: the columns sorted by group, and the
+kernels read the input's columns in that order (QuantizedWeight.input_perm).
+Anything else (other bit widths, sparsity, transforms, KV schemes) is an error that names it; asymmetric 8 bits
+are dequantized at load (logged).
 """
 from __future__ import annotations
 
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,9 +74,9 @@ def read_schemes(config: dict) -> list[Scheme]:
         kind = f"{w.get('type')}{w.get('num_bits')} weights per {w.get('strategy')}"
         if (w.get("type"), w.get("num_bits")) not in (("int", 4), ("int", 8), ("float", 8)):
             raise ValueError(f"compressed-tensors {kind} (group {name}) are not supported; supported: int4, int8, fp8")
-        if w.get("strategy") not in ("tensor", "channel", "group") or w.get("actorder") == "group":
-            raise ValueError(f"compressed-tensors {kind} (actorder {w.get('actorder')}, group {name}) are not "
-                             "supported; supported strategies: tensor, channel, group without activation order")
+        if w.get("strategy") not in ("tensor", "channel", "group"):
+            raise ValueError(f"compressed-tensors {kind} (group {name}) are not supported; supported strategies: "
+                             "tensor, channel, group")
         if group.get("output_activations"):
             raise ValueError(f"compressed-tensors output activation quantization (group {name}) is not supported")
         schemes.append(Scheme(tuple(group.get("targets", ())), fmt, w["num_bits"], w["type"], w["strategy"],
@@ -123,10 +125,28 @@ def load_compressed_tensors(tensors: dict[str, torch.Tensor], config: dict
     return out, "; ".join(names)
 
 
+def activation_order(g_idx: torch.Tensor | None, k: int, size: int, module: str) -> torch.Tensor | None:
+    """The input channels in stored order (each group's channels together, groups in turn) for a g_idx [K] that
+    is not k // size (GPTQ's desc_act / actorder); None when the order is the input's own. Every group must hold
+    `size` channels, as GPTQ makes them."""
+    if g_idx is None or torch.equal(g_idx.long(), torch.arange(k) // size):
+        return None
+    perm = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[perm], torch.arange(k) // size):
+        raise ValueError(f"{module}: an activation order whose groups are not all {size} channels is not supported")
+    return perm
+
+
+def in_order(weight: QuantizedWeight | torch.Tensor, perm: torch.Tensor | None) -> QuantizedWeight | torch.Tensor:
+    """A weight built from columns in perm's order, told so (or, dequantized, put back in the input's order)."""
+    if perm is None:
+        return weight
+    if isinstance(weight, QuantizedWeight):
+        return replace(weight, input_perm=perm)
+    return torch.empty_like(weight).index_copy_(1, perm, weight)
+
+
 def convert(parts: dict[str, torch.Tensor], scheme: Scheme, module: str) -> QuantizedWeight | FP8Weight | torch.Tensor:
-    if "weight_g_idx" in parts:
-        raise ValueError(f"{module}: compressed-tensors weights with an activation order (weight_g_idx) are not "
-                         "supported yet")
     scale = parts["weight_scale"].float()
     if scheme.type == "float":
         weight = parts["weight"]
@@ -134,6 +154,19 @@ def convert(parts: dict[str, torch.Tensor], scheme: Scheme, module: str) -> Quan
             raise ValueError(f"{module}: float-quantized weights of dtype {weight.dtype} are not supported (e4m3 only)")
         return FP8Weight(weight, scale.reshape(-1).expand(weight.shape[0]).contiguous(), scheme.name)
     q = unpack(parts, scheme) if scheme.format == "pack-quantized" else parts["weight"].to(torch.int8)
+    k = q.shape[1]
+    perm = activation_order(parts.get("weight_g_idx"), k, scheme.group_size or k, module)
+    if perm is not None:
+        if scheme.activations:
+            raise ValueError(f"{module}: quantized activations with an activation order (weight_g_idx) are not "
+                             "supported")
+        q = q[:, perm]
+    return in_order(_integer_weight(q, parts, scale, scheme, module), perm)
+
+
+def _integer_weight(q: torch.Tensor, parts: dict[str, torch.Tensor], scale: torch.Tensor, scheme: Scheme,
+                    module: str) -> QuantizedWeight | torch.Tensor:
+    """int4 / int8 levels q [N, K] (columns as they will be stored) in our planar layout."""
     n, k = q.shape
     zero = parts.get("weight_zero_point")
     if zero is not None and scheme.format == "pack-quantized":

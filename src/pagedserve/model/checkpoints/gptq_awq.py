@@ -10,8 +10,8 @@ AWQ_ORDER[i]; qzeros [G, N / 8] alike; scales [G, N]. Both dequantize as w[n, k]
 4 bits run as GGML nibbles with mins = -zero * scale (the kernels' fma scale * q + min: one rounding more than
 the reference's scale * (q - zero) when zero * scale is not exact); symmetric 8 bits as int8 q - zero (zero is
 128); asymmetric 8 bits have no kernel (no 8-bit mins) and are dequantized at load, with a warning. An
-activation order (desc_act with a g_idx that is not k // group) is refused by name: it needs the activations
-permuted on every call.
+activation order (desc_act: a g_idx that is not k // group) is reordered once at load: the columns sorted by
+group so that each group is contiguous again, and the kernels read the input's columns in that order.
 """
 from __future__ import annotations
 
@@ -19,7 +19,12 @@ import logging
 
 import torch
 
-from pagedserve.model.checkpoints.compressed_tensors import dequantize_reference, pack_nibbles
+from pagedserve.model.checkpoints.compressed_tensors import (
+    activation_order,
+    dequantize_reference,
+    in_order,
+    pack_nibbles,
+)
 from pagedserve.model.quant import GGUF_BLOCK, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -65,11 +70,11 @@ def load_gptq_awq(tensors: dict[str, torch.Tensor], config: dict) -> tuple[dict,
                 zeros = (zeros + 1) & ((1 << bits) - 1)
         k = q.shape[0]
         size = k if group <= 0 else group
-        g_idx = tensors.get(f"{m}.g_idx")
-        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // size):
-            raise ValueError(f"{m}: GPTQ with an activation order (desc_act, g_idx not k // group) is not supported yet")
-        out[f"{m}.weight"] = planar(q.t().contiguous(), zeros.t().contiguous(), tensors[f"{m}.scales"].float().t(),
-                                    bits, size, f"{method} int{bits}", m)
+        perm = activation_order(tensors.get(f"{m}.g_idx"), k, size, m)
+        q = q.t() if perm is None else q.t()[:, perm]
+        out[f"{m}.weight"] = in_order(planar(q.contiguous(), zeros.t().contiguous(),
+                                             tensors[f"{m}.scales"].float().t(), bits, size, f"{method} int{bits}", m),
+                                      perm)
     name = f"{method} int{bits} group {group if group > 0 else 'per channel'}"
     return out, name
 
