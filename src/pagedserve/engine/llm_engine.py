@@ -164,9 +164,6 @@ class LLMEngine:
     def _check_features(self, config: EngineConfig) -> None:
         """Refuses, naming it, what this model's family cannot do yet."""
         f = self.family
-        if self.quantization in ("int8", "int4") and not f.quantize_at_load:
-            raise ValueError(f"--quantization {self.quantization} is not supported for {f.name} models yet (their "
-                             "experts stay float); supported: none, auto")
         if config.enable_lora and not f.lora:
             raise ValueError(f"LoRA adapters are not supported for {f.name} models yet (mixture-of-experts layers "
                              "have no adapter slots); supported families: "

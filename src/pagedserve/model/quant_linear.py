@@ -191,5 +191,6 @@ def quantized_bytes(model: nn.Module) -> int:
         if isinstance(module, QuantLinear | QuantEmbedding) and id(module.qweight) not in seen:
             seen.add(id(module.qweight))
             total += module.qweight.nbytes
+        total += sum(w.nbytes for pair in getattr(module, "quantized", ()) for w in pair)  # experts (models/moe.py)
     params = {id(p): p for p in model.parameters()}
     return total + sum(p.numel() * p.element_size() for p in params.values())

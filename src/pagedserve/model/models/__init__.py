@@ -18,7 +18,6 @@ class ModelFamily:
     model_types: tuple[str, ...]  # config.json's model_type
     gguf_architectures: tuple[str, ...] = ()
     lora: bool = True  # PEFT adapters on its projections
-    quantize_at_load: bool = True  # --quantization int8 / int4
 
     def model_class(self) -> type[nn.Module]:
         return getattr(importlib.import_module(f"pagedserve.model.models.{self.module}"), self.class_name)
@@ -30,11 +29,9 @@ FAMILIES = (
                 ("llama", "mistral", "qwen2")),
     ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
     ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",)),
-    # Experts are float weights beside the quantized kernels' planar layout, and adapters would need one per expert.
-    ModelFamily("qwen3_moe", "moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",),
-                lora=False, quantize_at_load=False),
-    ModelFamily("mixtral", "moe", "MixtralForCausalLM", ("MixtralForCausalLM",), ("mixtral",),
-                lora=False, quantize_at_load=False),
+    # Adapters would need one per expert.
+    ModelFamily("qwen3_moe", "moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), lora=False),
+    ModelFamily("mixtral", "moe", "MixtralForCausalLM", ("MixtralForCausalLM",), ("mixtral",), lora=False),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 

@@ -5,6 +5,10 @@ Mixtral, when norm_topk_prob in Qwen3-MoE). The batch's (token, expert) pairs ar
 expert's rows run in one grouped GEMM per projection (torch._grouped_mm, as model/lora.py's SGMV groups adapters):
 an expert no token chose is an empty group and costs nothing, and no Python loop runs per expert. _grouped_mm
 wants 16-byte aligned rows, so the experts' weights are zero-padded once at load to multiples of 8 columns.
+With --quantization int8 / int4 the experts are quantized like the dense projections (the router stays float: a
+flipped routing decision costs more than any rounding) and each expert that got rows runs its two quantized GEMMs
+over them (the integer kernel for a decode step's few rows reads each chosen expert's weights once); experts no
+token chose are skipped.
 Each sparse layer counts the tokens routed to each expert (for /metrics: load balance).
 """
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pagedserve.model.linear import Linear
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.models.llama import ACTIVATIONS, MLP, Attention, DecoderLayer, LlamaForCausalLM
 from pagedserve.model.models.qwen3 import Qwen3Attention
-from pagedserve.model.quant import QuantizedWeight
+from pagedserve.model.quant import QuantizedWeight, quantize
+from pagedserve.model.quant_linear import kernel_path, quant_matmul
 
 ALIGN = 8  # columns: 16 bytes of bf16, 32 of fp32
 
@@ -41,6 +46,7 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.zeros(self.num_experts, padded(h), 2 * padded(i)), requires_grad=False)
         self.w2 = nn.Parameter(torch.zeros(self.num_experts, padded(i), padded(h)), requires_grad=False)
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        self.quantized: list[tuple[QuantizedWeight, QuantizedWeight]] = []  # per expert (gate_up, down), once quantized
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -52,13 +58,33 @@ class SparseMoE(nn.Module):
         rows = order // self.top_k  # the token of each (token, expert) pair, by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.tokens_per_expert += counts
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        xs = F.pad(x[rows], (0, padded(self.hidden) - self.hidden))
-        gate, up = torch._grouped_mm(xs, self.w13, offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(self.act(gate) * up, self.w2, offs=offs)[:, :self.hidden]
+        y = self._experts(x[rows], counts) if self.quantized else self._grouped(x[rows], counts)
         y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)
         out = torch.zeros_like(x).index_add_(0, rows, y)
         return out if residual is None else residual + out
+
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gate, up = torch._grouped_mm(F.pad(xs, (0, padded(self.hidden) - self.hidden)), self.w13, offs=offs).chunk(2, -1)
+        return torch._grouped_mm(self.act(gate) * up, self.w2, offs=offs)[:, :self.hidden]
+
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Quantized experts: each chosen expert's rows (contiguous, sorted by expert) through its own GEMMs."""
+        y, start, path = torch.empty_like(xs), 0, kernel_path()
+        for (gate_up, down), n in zip(self.quantized, counts.tolist(), strict=True):
+            if n:
+                gate, up = quant_matmul(xs[start:start + n], gate_up, path).chunk(2, dim=-1)
+                y[start:start + n] = quant_matmul(self.act(gate) * up, down, path)
+                start += n
+        return y
+
+    def quantize_experts(self, mode: str, group: int) -> None:
+        """int8 / int4 from the loaded float experts, in the dense projections' layout; the float copies freed."""
+        h, i, pi = self.hidden, self.inter, padded(self.inter)
+        self.quantized = [(quantize(torch.cat([self.w13[e, :h, :i].T, self.w13[e, :h, pi:pi + i].T]), mode, group),
+                           quantize(self.w2[e, :i, :h].T, mode, group)) for e in range(self.num_experts)]
+        self.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def load_experts(self, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
         """Per expert, HF layouts: gate and up [inter, hidden], down [hidden, inter]."""
@@ -105,6 +131,16 @@ class MoEForCausalLM(LlamaForCausalLM):
                  for n in names]
         moe.load_experts(*parts)
         weights[f"{p}mlp.gate.weight"] = _pop(weights, f"{p}{self.block}.gate.weight")
+
+    def quantize_linears(self, mode: str, group: int = 32, hadamard: int = 0) -> None:
+        """The dense projections and the head as LlamaForCausalLM quantizes them, the experts in their layout, and
+        each router left float."""
+        routers = {id(layer.mlp): layer.mlp.gate for layer in self.layers if isinstance(layer.mlp, SparseMoE)}
+        super().quantize_linears(mode, group, hadamard)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.gate = routers[id(layer.mlp)]
+                layer.mlp.quantize_experts(mode, group)
 
     def expert_tokens(self) -> torch.Tensor:
         """Tokens routed to each expert so far: [sparse layers, experts]."""
