@@ -60,14 +60,19 @@ def tiny_model(kind: str, seed: int, shape: dict):
 def family_model(request, tmp_path_factory):
     kind, seed, shape = MODELS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
+    llm, prompts, expected = served(kind, seed, shape, folder)
+    assert len({tuple(e) for e in expected}) == len(prompts)  # the weights say something
+    return kind, folder, llm, prompts, expected
+
+
+def served(kind: str, seed: int, shape: dict, folder) -> tuple[LLM, list[list[int]], list[list[int]]]:
+    """The tiny model written to folder, our fp32 LLM on it, the prompts' ids and transformers' greedy tokens."""
     model = tiny_model(kind, seed, shape)
     model.save_pretrained(folder)
     byte_tokenizer(folder)
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB")
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    expected = [hf_greedy(model, p, NUM_TOKENS) for p in prompts]
-    assert len({tuple(e) for e in expected}) == len(prompts)  # the weights say something
-    return kind, folder, llm, prompts, expected
+    return llm, prompts, [hf_greedy(model, p, NUM_TOKENS) for p in prompts]
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -178,13 +183,7 @@ def test_quantized_experts_run_their_own_gemms(name, tmp_path, monkeypatch):
     from pagedserve.model.linear import Linear
     from pagedserve.model.models.moe import SparseMoE
 
-    kind, seed, shape = ALIGNED[name]
-    model = tiny_model(kind, seed, shape)
-    model.save_pretrained(tmp_path)
-    byte_tokenizer(tmp_path)
-    float_llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
-    prompts = [float_llm.tokenizer.encode(p) for p in PROMPTS]
-    expected = [hf_greedy(model, p, NUM_TOKENS) for p in prompts]
+    float_llm, prompts, expected = served(*ALIGNED[name], tmp_path)
     assert run(float_llm, prompts) == expected
     for mode in ("int8", "int4"):
         llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="4MiB", quantization=mode)
