@@ -6,11 +6,14 @@ engine's prompt logprobs, for each numeric mode against the fp32 reference on th
 change in perplexity and the top-1 agreement (the reference's most likely next token) over every position.
 The KV table does the same per --kv-cache-dtype against the model-dtype cache, in short windows and in long
 ones (where quantization error accumulates most); prompt scoring attends over the pool, so it reads the
-quantized cache at every position.
+quantized cache at every position. The checkpoints table (--suite checkpoints) scores quantized Hugging Face
+folders (`make quantized`'s reference checkpoints, or `pagedserve quantize` outputs) as stored, in fp32, against
+the fp32 folder they were made from.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -57,6 +60,7 @@ class Scored:
     logprobs: list[float]  # of each scored token
     top1: list[int]  # the most likely token at each scored position
     seconds: float
+    scheme: str = "none"  # the weights' quantization as the engine reports it
 
     @property
     def perplexity(self) -> float:
@@ -89,7 +93,7 @@ def score(settings: dict, chunks: list[list[int]]) -> Scored:
             entry = out.prompt_logprobs[i]
             logprobs.append(entry[chunk[i]].logprob)
             top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
-    return Scored(logprobs, top1, seconds)
+    return Scored(logprobs, top1, seconds, llm.engine.weights_info["quantization"])
 
 
 QUICK = ["--tokens", "600", "--window", "300", "--kv-windows", "300"]
@@ -100,8 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=2048, help="window length in tokens (each scored independently)")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where benchmarks.md is")
     p.add_argument("--no-write", action="store_true", help="print the table only")
-    p.add_argument("--suite", choices=["weights", "kv", "all"], default="all",
-                   help="weights: the weight-quantization table; kv: the KV-cache table; all: both")
+    p.add_argument("--suite", choices=["weights", "kv", "checkpoints", "all"], default="all",
+                   help="weights: the weight-quantization table; kv: the KV-cache table; all: both; checkpoints: "
+                        "quantized HF folders against the fp32 folder they were made from (not part of all)")
+    p.add_argument("--checkpoints", default=str(REPO / "build/quantized"),
+                   help="the checkpoints suite: comma-separated quantized folders, or folders holding them")
+    p.add_argument("--reference", default=str(REPO / "build/peers/smollm2-hf"),
+                   help="the checkpoints suite: the fp32 folder they were made from")
     p.add_argument("--model", default=None,
                    help="score another model than the default (the weights suite only), e.g. gemma-3-270m: the same "
                         "text in its own tokens, every mode on its weights")
@@ -116,6 +125,8 @@ def run_args(args: argparse.Namespace) -> int:
         log("--model scores the weights suite only (the KV table's capacities are the default model's): "
             "add --suite weights")
         return 2
+    if args.suite == "checkpoints":
+        return run_checkpoints(args)
     tokens = corpus_tokens(load_model(args.model).tokenizer)[:args.tokens]
     failures = []
     if args.suite in ("weights", "all"):
@@ -220,3 +231,62 @@ def render(results: dict[str, Scored], args: argparse.Namespace, num_tokens: int
         lines.append(f"| {label} | {r.perplexity:.4f} | {change:+.3%} | "
                      f"{'-' if budget is None else f'{budget:.1%}'} | {agree:.2%} | {r.seconds:.0f} |")
     return "\n".join(lines), failures
+
+
+# The issue's budgets for checkpoints, by what config.json's quantization says: W8A8 and FP8 within 1%.
+CHECKPOINT_BUDGET = {"W8A8": 0.01, "float8": 0.01, "fp8": 0.01}
+
+
+def checkpoint_folders(spec: str) -> list[Path]:
+    """Each folder with a config.json that names a quantization_config, given directly or one level down."""
+    found = []
+    for entry in (Path(p) for p in spec.split(",") if p):
+        candidates = [entry] if (entry / "config.json").is_file() else sorted(entry.glob("*/config.json"))
+        found += [c if c.is_dir() else c.parent for c in candidates]
+    return [f for f in found if "quantization_config" in json.loads((f / "config.json").read_text())]
+
+
+def run_checkpoints(args: argparse.Namespace) -> int:
+    from pagedserve.model.loader import load_model
+
+    folders = checkpoint_folders(args.checkpoints)
+    if not folders:
+        log(f"no quantized folders in {args.checkpoints} (make quantized, or pagedserve quantize)")
+        return 2
+    tokens = corpus_tokens(load_model(args.reference).tokenizer)[:args.tokens]
+    chunks = windows(tokens, args.window)
+    modes = [(f"{Path(args.reference).name} fp32 (reference)", {"model": args.reference, "dtype": "float32"})]
+    modes += [(f.name, {"model": str(f), "dtype": "float32"}) for f in folders]
+    results = score_all(modes, chunks, len(tokens), args.window)
+    ref = next(iter(results.values()))
+    lines = [(f"Command: `pagedserve bench perplexity --suite checkpoints --tokens {args.tokens} --window "
+              f"{args.window}`"), "", machine_line(), "",
+             (f"Each folder as stored (our loader and kernels, fp32), {len(ref.logprobs):,} scored positions of the "
+              f"standard library's documentation, against the fp32 folder they were made from."), "",
+             "| checkpoint | scheme | perplexity | vs fp32 | budget | top-1 agreement with fp32 |", "|---|---|---|---|---|---|"]
+    failures = []
+    for label, r in results.items():
+        scheme, (change, agree) = r.scheme, compare(r, ref)
+        budget = next((b for key, b in CHECKPOINT_BUDGET.items() if key in scheme), None)
+        if budget is not None and change > budget:
+            failures.append(f"{label}: {change:+.2%} against a budget of {budget:.0%}")
+        lines.append(f"| {label} | {scheme} | {r.perplexity:.4f} | {change:+.2%} | "
+                     f"{'-' if budget is None else f'{budget:.0%}'} | {agree:.2%} |")
+    body = "\n".join(lines) + "".join(f"\n- {n}" for n in against_rtn(results)) + \
+        "".join(f"\n- over budget: {f}" for f in failures)
+    print(body)
+    if not args.no_write:
+        write_section("Perplexity of quantized checkpoints", body, args.docs / "benchmarks.md")
+    return 1 if failures and len(tokens) >= JUDGED_FROM else 0
+
+
+def against_rtn(results: dict[str, Scored]) -> list[str]:
+    """Each checkpoint beside a round-to-nearest one ('rtn' in its name) of the same scheme: which is better."""
+    notes = []
+    for rtn_label, rtn in ((k, v) for k, v in results.items() if "rtn" in k.lower()):
+        for label, r in results.items():
+            if label != rtn_label and r.scheme == rtn.scheme:
+                verdict = "better" if r.perplexity < rtn.perplexity else "NOT better"
+                notes.append(f"{label} is {verdict} than {rtn_label} at the same scheme ({r.scheme}): "
+                             f"{r.perplexity:.4f} vs {rtn.perplexity:.4f}.")
+    return notes
