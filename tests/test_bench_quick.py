@@ -98,3 +98,18 @@ def test_throughput_skips_a_missing_peer_with_its_reason(tmp_path: Path) -> None
     assert model is None and offline == {}
     assert notes[0].startswith("vLLM CPU skipped: no vLLM CPU in") and "setup_vllm_cpu.sh" in notes[0]
     assert notes[1].startswith("llama.cpp skipped: no llama-server at")
+
+
+def test_checkpoints_suite_finds_quantized_folders_and_compares_with_rtn(tmp_path: Path) -> None:
+    import json
+
+    from pagedserve.bench.perplexity import Scored, against_rtn, checkpoint_folders
+
+    for name, config in (("gptq", {"quantization_config": {}}), ("rtn", {"quantization_config": {}}), ("fp32", {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert [f.name for f in checkpoint_folders(str(tmp_path))] == ["gptq", "rtn"]
+    assert [f.name for f in checkpoint_folders(f"{tmp_path / 'rtn'},{tmp_path / 'fp32'}")] == ["rtn"]
+    scored = {"w4-gptq": Scored([-1.0], [0], 0, "int4 g64"), "w4-rtn": Scored([-2.0], [0], 0, "int4 g64"),
+              "w8": Scored([-3.0], [0], 0, "int8")}
+    assert against_rtn(scored) == ["w4-gptq is better than w4-rtn at the same scheme (int4 g64): 2.7183 vs 7.3891."]
