@@ -47,6 +47,20 @@ def test_config_refuses_bad_values(value, error):
         SpeculativeConfig.parse(value)
 
 
+def test_cluster_replica_argv_parses():
+    # cluster up passes its engine settings on as serve flags: a dict (a YAML file) goes as JSON, not Python's
+    # repr, and store_true flags go without a value
+    from pagedserve.cluster.launcher import engine_flags, serve_command
+
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+                          enable_lora=True, enable_prefix_caching=False, kv_cache_dtype="int8",
+                          max_prefill_tokens_beside_decodes=128)
+    argv = serve_command("127.0.0.1", 8000, engine_flags(config))
+    args = build_parser().parse_args(argv[argv.index("serve"):])
+    config.speculative_config = SpeculativeConfig("ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
+    assert EngineConfig.from_args(args) == config
+
+
 def test_cli_flag_on_generate_and_serve(capsys):
     for command in (["generate", "--prompt", "x"], ["serve"]):
         args = build_parser().parse_args([*command, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
