@@ -402,7 +402,7 @@ class LLMEngine:
             out = sample(logits, SamplingBatch.build(reqs, logits.shape[1], self.grammars.fill_mask(reqs)))
             self._process(reqs, out, touched)
         if self.proposer is not None:
-            self.proposer.propose(reqs, self.scheduler.running)
+            self.proposer.propose(reqs, self.scheduler.running, self.grammars.fill_mask)
         return failed + [self._output(g) for g in touched.values()]
 
     def _score_prompts(self, batch: BatchInputs, hidden: torch.Tensor) -> None:

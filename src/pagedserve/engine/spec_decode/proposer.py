@@ -14,6 +14,7 @@ per step for an acceptance rate a. Speculation pays while E > c, so:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,10 @@ from pagedserve.engine.request import Request
 from pagedserve.engine.spec_decode.draft_model import DraftModelProposer, DraftState
 from pagedserve.engine.spec_decode.ngram import NgramIndex, NgramProposer
 from pagedserve.engine.spec_decode.suffix import SuffixProposer, SuffixState
+from pagedserve.engine.structured_output import GrammarMask
 from pagedserve.speculative_config import SpeculativeConfig
 
+GrammarMaskOf = Callable[[list[Request]], GrammarMask | None]
 PROBE_EVERY = 16  # steps a request with low acceptance waits before it proposes again
 EMA = 0.3  # weight of the latest draft in a request's acceptance average
 
@@ -46,9 +49,10 @@ class Proposer:
         else:
             self.method = NgramProposer(config) if config.method == "ngram" else SuffixProposer(config)
 
-    def propose(self, reqs: list[Request], running: list[Request]) -> None:
+    def propose(self, reqs: list[Request], running: list[Request], grammar_mask: GrammarMaskOf) -> None:
         """Sets spec_token_ids of the running requests among reqs (just sampled, so all decoding); the finished
-        ones' outputs go to the method (suffix: the shared trie)."""
+        ones' outputs go to the method (suffix: the shared trie). grammar_mask: the engine's, for the draft's
+        constrained draws."""
         for req in reqs:
             if req.is_finished:
                 self.method.finished(req.output_token_ids)
@@ -71,11 +75,22 @@ class Proposer:
             if k > 0:
                 items.append((req, state.index, k))
         if isinstance(self.method, DraftModelProposer):
-            proposals = self.method.propose_all(items)
+            proposals = self.method.propose_all(items, grammar_mask)
         else:
             proposals = [self.method.propose(req.all_token_ids, index, k) for req, index, k in items]
         for (req, _, _), tokens in zip(items, proposals):
             req.spec_token_ids = tokens
+
+
+def draft_probs(req: Request) -> torch.Tensor | None:
+    """q of each of the request's sampled draft-model proposals ([k, V]); None for point-mass proposals."""
+    index = req.spec_state.index if req.spec_state is not None else None
+    return index.probs if isinstance(index, DraftState) else None
+
+
+def clear_draft_probs(req: Request) -> None:
+    if req.spec_state is not None and isinstance(req.spec_state.index, DraftState):
+        req.spec_state.index.probs = None
 
 
 def record_acceptance(req: Request, proposed: int, accepted: int) -> None:
