@@ -327,8 +327,9 @@ def test_lora_requests_verify_under_their_adapter(tmp_path, hf_model):
 def same_model_draft() -> dict:
     from pagedserve.model.loader import default_model_path
 
+    # a draft as large as the target never pays (the measured rule would stop it): the static rule keeps it on
     return {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3,
-            "draft_kv_cache_memory": "16MiB"}
+            "draft_kv_cache_memory": "16MiB", "disable_by_batch_size": 64}
 
 
 @pytest.fixture(scope="module")
@@ -417,6 +418,24 @@ def test_draft_model_next_tokens_distribution_matches_without_speculation(small_
     table = [[c.get(p, 0) for p in common] + [draws - sum(c.get(p, 0) for p in common)] for c in counts]
     assert len(common) >= 4
     assert chi_square_pvalue(table) > 1e-3
+
+
+def test_cost_model_proposes_while_measured_steps_say_it_pays():
+    from pagedserve.engine.spec_decode.cost import EXPLORE_EVERY, StepCosts
+
+    costs = StepCosts.new()
+    assert costs.pays(64, 256, 0.0)  # nothing measured yet: propose, and measure
+    for rows in (1, 2, 4, 8, 16, 32, 64):  # weight-bound up to 8 rows, then 0.5 ms a row
+        costs.record(rows, 0.010 + 0.0005 * max(0, rows - 8), verifying=False)
+    for rows in (5, 10, 20, 40, 80, 160, 320):  # verification chunks: 2 ms more (the Python layers)
+        costs.record(rows, 0.012 + 0.0005 * max(0, rows - 8), verifying=True)
+    # k = 4 at about 50% acceptance (1 accepted proposal in 4): one stream and 4 pay, 64 do not (rows x 5)
+    assert [costs.pays(1, 4, 1.0), costs.pays(4, 16, 4.0), costs.pays(64, 256, 64.0)] == [True, True, False]
+    costs.propose_s = 0.1  # a draft model slower than the step it saves
+    assert not costs.pays(1, 4, 1.0)
+    assert [costs.pays(1, 4, 1.0) for _ in range(EXPLORE_EVERY)].count(True) == 1  # the explored step
+    spec = SpeculativeConfig("ngram", 2)
+    assert spec.disable_by_batch_size is None and "disable_by_batch_size" not in str(spec)
 
 
 def test_draft_model_needs_a_model():
