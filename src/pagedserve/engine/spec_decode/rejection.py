@@ -7,7 +7,9 @@ x is replaced by a draw from normalize(max(0, p - q)). Whatever q is, the token 
 
 Three independent uniforms per (seed, output position): the draft's draw (DRAFT_SALT), the acceptance test
 (ACCEPT_SALT) and the replacement, which is the plain sampler's own uniform (the bonus token after k accepted
-proposals is an ordinary draw from p with it). So a seeded request repeats its output run after run.
+proposals is an ordinary draw from p with it). So a seeded request repeats its output run after run, as long
+as the same steps propose: the measured rule (proposer.py) decides from timings, so exact repeats need an
+explicit disable_by_batch_size (ngram and suffix draw exactly the tokens of a run without speculation anyway).
 """
 from __future__ import annotations
 
