@@ -6,6 +6,7 @@ from dataclasses import dataclass
 WEIGHT = 0.1  # of the latest step in the running fits: about the last 10-20 steps count
 MIN_STEPS = 4  # observations a fit needs before it predicts
 EXPLORE_EVERY = 32  # steps between forced opposite decisions, so that both fits stay fresh
+WARM_UP_EVERY = 8  # the same while a fit cannot predict yet (a workload that always proposes measures no decode)
 
 
 @dataclass(slots=True)
@@ -57,8 +58,8 @@ class StepCosts:
         them, yields more tokens per second than a plain decode step. Unmeasured: yes (and measure)."""
         self.steps += 1
         t_decode, t_verify = self.decode.predict(batch), self.verify.predict(batch + added_rows)
-        decision = (t_decode is None or t_verify is None
-                    or (batch + extra_tokens) * t_decode > batch * (t_verify + self.propose_s))
-        if self.steps % EXPLORE_EVERY == 0:
+        measured = t_decode is not None and t_verify is not None
+        decision = not measured or (batch + extra_tokens) * t_decode > batch * (t_verify + self.propose_s)
+        if self.steps % (EXPLORE_EVERY if measured else WARM_UP_EVERY) == 0:
             decision = not decision  # one step the other way: its fit would otherwise go stale
         return decision

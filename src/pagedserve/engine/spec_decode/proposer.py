@@ -15,10 +15,10 @@ per step for an acceptance rate a. Speculation pays while E > c, so:
   X = sum of a + a^2 + ... + a^k over the proposing requests (the accepted tokens expected), a step proposes
   only while (B + X) / (t_verify(B + K) + t_propose) > B / t_decode(B), tokens per second; when all B propose
   k, that is E * t_decode(B) > t_verify(B * (1 + k)) + t_propose for E = 1 + X / B. t_propose is the proposer's
-  own time per step (the draft model's k passes). Until both fits have a few steps it proposes; every 32nd step
-  goes the other way so that neither fit goes stale. A large batch stops being weight-bound, t_verify grows
-  towards (1 + k) t_decode and proposals stop; a one-stream step over 1 + k rows costs about what one over 1
-  does, and they go on.
+  own time per step (the draft model's k passes). Until both fits have 4 steps it proposes, but every 8th step
+  goes without; after that every 32nd step goes the other way, so that neither fit goes stale. A large batch
+  stops being weight-bound, t_verify grows towards (1 + k) t_decode and proposals stop; a one-stream step over
+  1 + k rows costs about what one over 1 does, and they go on.
 - an explicit disable_by_batch_size replaces the measured rule with vLLM's static one: nobody proposes in a step
   with more running requests than that.
 """
