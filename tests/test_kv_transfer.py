@@ -96,10 +96,11 @@ def test_leases_expire(engines):
         prefill.kv_transfer.lease_s = 30.0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
 def test_quantized_blocks_travel_with_their_scales(kv_cache_dtype):
-    """int8: per-token scales; int4: per-token value and per-block key parameters (full blocks only travel,
-    so no key waits in a tail)."""
+    """int8: per-token scales; fp8: per-head scales, calibrated alike at both ends (the payload is raw bytes:
+    CPU index_copy_ has no fp8 kernel); int4: per-token value and per-block key parameters (full blocks only
+    travel, so no key waits in a tail)."""
     prefill, decode, reference = (engine(kv_cache_dtype) for _ in range(3))
     ids = prefill.tokenizer.encode(PROMPT * 3)
     greedy(prefill, "p", ids, 1)

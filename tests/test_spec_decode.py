@@ -47,6 +47,20 @@ def test_config_refuses_bad_values(value, error):
         SpeculativeConfig.parse(value)
 
 
+def test_cluster_replica_argv_parses():
+    # cluster up passes its engine settings on as serve flags: a dict (a YAML file) goes as JSON, not Python's
+    # repr, and store_true flags go without a value
+    from pagedserve.cluster.launcher import engine_flags, serve_command
+
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+                          enable_lora=True, enable_prefix_caching=False, kv_cache_dtype="int8",
+                          max_prefill_tokens_beside_decodes=128)
+    argv = serve_command("127.0.0.1", 8000, engine_flags(config))
+    args = build_parser().parse_args(argv[argv.index("serve"):])
+    config.speculative_config = SpeculativeConfig("ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
+    assert EngineConfig.from_args(args) == config
+
+
 def test_cli_flag_on_generate_and_serve(capsys):
     for command in (["generate", "--prompt", "x"], ["serve"]):
         args = build_parser().parse_args([*command, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
@@ -310,13 +324,36 @@ def test_lora_requests_verify_under_their_adapter(tmp_path, hf_model):
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
-@pytest.mark.slow
-def test_draft_model_of_the_same_model_accepts_everything_greedy(expected):
+def same_model_draft() -> dict:
     from pagedserve.model.loader import default_model_path
 
-    draft = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3,
-             "draft_kv_cache_memory": "16MiB"}
-    llm = LLM(dtype="float32", kv_cache_memory="32MiB", speculative_config=draft)
+    # a draft as large as the target never pays (the measured rule would stop it): the static rule keeps it on
+    return {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3,
+            "draft_kv_cache_memory": "16MiB", "disable_by_batch_size": 64}
+
+
+@pytest.fixture(scope="module")
+def small_draft(hf_model, tmp_path_factory) -> str:
+    """A smaller model sharing the tokenizer: the target's first 24 of 30 layers, as an HF folder."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from pagedserve.model.loader import default_model_path
+
+    model = copy.deepcopy(hf_model)
+    model.model.layers = model.model.layers[:24]
+    model.config.num_hidden_layers = 24
+    folder = tmp_path_factory.mktemp("draft")
+    model.save_pretrained(folder)
+    path = default_model_path()
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_draft_model_of_the_same_model_accepts_everything_greedy(expected):
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", speculative_config=same_model_draft())
     prompts, want = [QUOTING[1], OPEN[0]], [expected[1], expected[3]]
     assert token_ids(llm.generate(prompts, GREEDY)) == want
     stats = llm.engine.spec_stats
@@ -324,6 +361,115 @@ def test_draft_model_of_the_same_model_accepts_everything_greedy(expected):
     assert llm.engine.proposer.method.kv.num_free_blocks == llm.engine.proposer.method.kv.num_blocks  # all released
 
 
+@pytest.mark.slow
+def test_draft_model_sampled_drafts(base_llm, monkeypatch):
+    # The draft samples from q processed as the target's p (penalties, top-k/top-p, bans, grammar mask), so a
+    # draft of the same model has q == p up to rounding and min(1, p/q) accepts nearly every proposal; greedy
+    # (point-mass) drafts are accepted only at p(argmax). Seeded runs repeat, and the logprobs are the target's.
+    from pagedserve.engine.spec_decode import draft_model
+
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB",
+              speculative_config={**same_model_draft(), "min_acceptance_rate": 0.0})
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=s, max_tokens=24,
+                             min_tokens=24, logprobs=2) for s in range(3)]
+    params.append(SamplingParams(temperature=1.0, seed=3, max_tokens=24, guided_decoding=GuidedDecodingParams(
+        regex="(Alice|Bob) (went|walked) to the (market|river|house)[a-z ,]*\\.")))
+    prompts = [OPEN[0], OPEN[1], QUOTING[1], QUOTING[1]]
+    first = llm.generate(prompts, params)
+    assert token_ids(llm.generate(prompts, params)) == token_ids(first)
+    sampled = llm.engine.spec_stats.copy()
+    assert sampled.acceptance_rate > 0.9
+    assert first[3].outputs[0].text.startswith(("Alice", "Bob"))
+    for out in first[:3]:  # each returned logprob is the target's, as the plain engine scores that sequence
+        ids = out.outputs[0].token_ids
+        scored = base_llm.generate({"prompt_token_ids": out.prompt_token_ids + ids},
+                                   SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+        got = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, ids)]
+        assert got == pytest.approx([scored[len(out.prompt_token_ids) + i][t].logprob for i, t in enumerate(ids)],
+                                    abs=1e-3)
+    monkeypatch.setattr(draft_model, "draft_sample", lambda logits, batch: (logits.argmax(dim=-1), None))
+    llm.generate(prompts[:3], params[:3])
+    greedy = llm.engine.spec_stats
+    greedy_rate = (greedy.num_accepted_tokens - sampled.num_accepted_tokens) / (
+        greedy.num_draft_tokens - sampled.num_draft_tokens)
+    assert greedy_rate < sampled.acceptance_rate - 0.2
+
+
+@pytest.mark.slow
+def test_draft_model_next_tokens_distribution_matches_without_speculation(small_draft):
+    # As the ngram test above, with a smaller draft that samples at temperature 0.8: the 2nd token is a sampled
+    # proposal (accepted with min(1, p/q), else drawn from max(0, p - q)), the 3rd the bonus token or a correction
+    draws, n = 960, 16
+    spec = {"method": "draft_model", "model": small_draft, "num_speculative_tokens": 2, "min_acceptance_rate": 0.0,
+            "draft_kv_cache_memory": "64MiB", "disable_by_batch_size": 1 << 20}
+    counts = []
+    for config, offset in [(None, 0), (spec, 10**6)]:
+        llm = LLM(kv_cache_memory="128MiB", max_num_seqs=64, speculative_config=config)
+        params = [SamplingParams(n=n, temperature=0.8, seed=offset + s, max_tokens=3, ignore_eos=True)
+                  for s in range(draws // n)]
+        outs = llm.generate(["The capital of France is"] * len(params), params)
+        pairs = [tuple(c.token_ids[1:3]) for o in outs for c in o.outputs]
+        counts.append({p: pairs.count(p) for p in set(pairs)})
+        if config is not None:
+            stats = llm.engine.spec_stats
+            rejected = stats.num_draft_tokens - stats.num_accepted_tokens
+            assert stats.num_accepted_tokens >= draws // 10 and rejected >= draws // 10  # both paths taken
+    common = [p for p in counts[0] if counts[0][p] + counts[1].get(p, 0) >= 10]
+    table = [[c.get(p, 0) for p in common] + [draws - sum(c.get(p, 0) for p in common)] for c in counts]
+    assert len(common) >= 4
+    assert chi_square_pvalue(table) > 1e-3
+
+
+def test_cost_model_proposes_while_measured_steps_say_it_pays():
+    from pagedserve.engine.spec_decode.cost import EXPLORE_EVERY, StepCosts
+
+    costs = StepCosts.new()
+    assert costs.pays(64, 256, 0.0)  # nothing measured yet: propose, and measure
+    for rows in (1, 2, 4, 8, 16, 32, 64):  # weight-bound up to 8 rows, then 0.5 ms a row
+        costs.record(rows, 0.010 + 0.0005 * max(0, rows - 8), verifying=False)
+    for rows in (5, 10, 20, 40, 80, 160, 320):  # verification chunks: 2 ms more (the Python layers)
+        costs.record(rows, 0.012 + 0.0005 * max(0, rows - 8), verifying=True)
+    # k = 4 at about 50% acceptance (1 accepted proposal in 4): one stream and 4 pay, 64 do not (rows x 5)
+    assert [costs.pays(1, 4, 1.0), costs.pays(4, 16, 4.0), costs.pays(64, 256, 64.0)] == [True, True, False]
+    costs.propose_s = 0.1  # a draft model slower than the step it saves
+    assert not costs.pays(1, 4, 1.0)
+    assert [costs.pays(1, 4, 1.0) for _ in range(EXPLORE_EVERY)].count(True) == 1  # the explored step
+    spec = SpeculativeConfig("ngram", 2)
+    assert spec.disable_by_batch_size is None and "disable_by_batch_size" not in str(spec)
+
+
 def test_draft_model_needs_a_model():
     with pytest.raises(ValueError, match='needs "model"'):
         SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow  # three engines per KV dtype (fp8 calibrates at start-up)
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_decode_side_of_disaggregation_with_quantized_kv(kv_cache_dtype):
+    # A decode replica imports the prompt's KV and the prefill worker's first token, then speculates over its
+    # quantized KV (rejected proposals' slots are rewritten later: int8's per-token scales go with them, fp8's
+    # are per head): greedy output as one engine without speculation, same KV dtype
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    def engine(spec: dict | None = None) -> LLMEngine:
+        return LLMEngine(EngineConfig(dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype=kv_cache_dtype,
+                                      speculative_config=spec))
+
+    def run(e: LLMEngine, rid: str) -> list[int]:
+        done = None
+        while e.has_unfinished_requests():
+            done = next((o for o in e.step() if o.request_id == rid and o.finished), done)
+        return done.outputs[0].token_ids
+
+    prefill, decode = engine(), engine(NGRAM)
+    ids = prefill.tokenizer.encode(QUOTING[0])
+    prefill.add_request("whole", ids, GREEDY)
+    want = run(prefill, "whole")
+    lease = prefill.kv_transfer.lease(ids)
+    count = len(lease.block_ids)
+    assert decode.kv_transfer.import_blocks(ids, 0, prefill.kv_transfer.export(lease.lease_id, 0), count) == count
+    decode.add_request("resumed", ids, GREEDY, output_token_ids=want[:1], hold=True)
+    decode.release_held("resumed")
+    assert run(decode, "resumed") == want
+    assert decode.kv.hit_tokens >= count * 16 and decode.spec_stats.num_accepted_tokens > 10

@@ -25,9 +25,9 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 64
     suffix_decoding_min_token_prob: float = 0.1
-    # no proposals in a step with more running requests than this (vLLM's key): verification then costs more
-    # than it saves (engine/spec_decode/proposer.py's cost model)
-    disable_by_batch_size: int = 16
+    # no proposals in a step with more running requests than this (vLLM's key); None: a step proposes while
+    # measured step times say verification saves more than it costs (engine/spec_decode/proposer.py)
+    disable_by_batch_size: int | None = None
     # a request whose recent proposals were accepted less often than this stops proposing (probing again later)
     min_acceptance_rate: float = 0.2
 
@@ -35,7 +35,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {', '.join(METHODS)}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
-        _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         _check_fraction("min_acceptance_rate", self.min_acceptance_rate)
         if self.method == "draft_model" and not isinstance(self.model, str):
             raise ValueError('the draft_model method needs "model": the draft model (GGUF file, HF folder or packaged '

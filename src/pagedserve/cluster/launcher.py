@@ -17,6 +17,7 @@ import httpx
 
 from pagedserve.config import EngineConfig
 from pagedserve.server.peer_auth import SECRET_ENV, PeerKey
+from pagedserve.speculative_config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,10 @@ def engine_flags(config: EngineConfig) -> list[str]:
             continue
         if f.name == "enable_prefix_caching":
             flags.append("--no-prefix-caching")
+        elif f.name == "enable_lora":  # a store_true flag: a value after it would be a stray argument
+            flags.append("--enable-lora")
+        elif f.name == "speculative_config":  # a dict (a YAML file, LLM(...)) would print as Python's repr
+            flags += ["--speculative-config", str(SpeculativeConfig.parse(value))]
         else:
             flags += ["--" + f.name.replace("_", "-"), str(value)]
     return flags

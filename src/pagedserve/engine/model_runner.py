@@ -225,8 +225,9 @@ class ModelRunner:
             for t, per_block in self.block_tensors(layer):
                 rows = self._rows(block_ids, per_block)
                 size = t.element_size() * int(t[0].numel()) * per_block * num_blocks
-                chunk = raw[offset:offset + size].view(t.dtype).view(per_block * num_blocks, *t.shape[1:])
-                t.index_copy_(0, rows, chunk[first * per_block:first * per_block + len(rows)])
+                bits = torch.uint8 if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t.dtype  # no CPU fp8 index_copy_
+                chunk = raw[offset:offset + size].view(bits).view(per_block * num_blocks, *t.shape[1:])
+                t.view(bits).index_copy_(0, rows, chunk[first * per_block:first * per_block + len(rows)])
                 offset += size
 
     @torch.inference_mode()

@@ -6,6 +6,7 @@ sampled with a handful of tensor ops and no Python loop per row.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -152,10 +153,31 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, check: Check | None = None) -> SamplerOutput:
     """logits: [S, V] float32 (a private copy: modified in place). Logprobs are the model's own (before any
-    bias, penalty or mask), as vLLM's default; biases come before penalties, as in vLLM."""
+    bias, penalty or mask), as vLLM's default; biases come before penalties, as in vLLM. check: speculative
+    sampling's rejection rule (spec_decode/rejection.py), given the sampled rows' distributions and draws."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+    constrain(logits, batch)
+    greedy = logits.max(dim=-1).indices  # argmax's first index too, ~2.5x faster on CPU
+    if batch.all_greedy:
+        tokens = greedy
+    else:
+        probs = probabilities(logits, batch)
+        drawn = draw_from(probs, uniform_per_row(batch.seeds, batch.steps))
+        if check is not None:
+            drawn = check(probs, drawn, batch)
+        tokens = torch.where(batch.temperature > 0, drawn, greedy)
+    if raw_logprobs is None:
+        return SamplerOutput(tokens, None, None, None, None)
+    return logprobs_of(raw_logprobs, tokens, batch.max_logprobs)
+
+
+Check = Callable[[torch.Tensor, torch.Tensor, SamplingBatch], torch.Tensor]
+
+
+def constrain(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Biases, penalties, the grammar mask and bans (min_tokens), in place: what every draw starts from."""
     if batch.bias is not None:
         batch.bias.apply(logits)
     if batch.penalties is not None:
@@ -168,11 +190,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits[row, ids] = float("-inf")
     if masked is not None:
         restore_dead_rows(logits, batch.grammar, masked)
-    greedy = logits.max(dim=-1).indices  # argmax's first index too, ~2.5x faster on CPU
-    tokens = greedy if batch.all_greedy else torch.where(batch.temperature > 0, draw(logits, batch), greedy)
-    if raw_logprobs is None:
-        return SamplerOutput(tokens, None, None, None, None)
-    return logprobs_of(raw_logprobs, tokens, batch.max_logprobs)
 
 
 def score_tokens(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
@@ -188,7 +205,9 @@ def logprobs_of(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> Sam
     return out
 
 
-def draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each sampled row's distribution after temperature, top-k/top-p and min-p (rows sum to 1 before min-p
+    cuts: draw_from scales its uniform to the row's mass)."""
     temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     logits = logits / temp.unsqueeze(1)
     if batch.need_sort:
@@ -196,10 +215,14 @@ def draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if bool((batch.min_p > 0).any()):
         probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def draw_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: one token per row for its uniform u in [0, 1)."""
     cdf = probs.double().cumsum(dim=-1)
-    u = uniform_per_row(batch.seeds, batch.steps).unsqueeze(1) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    return tokens.clamp(max=logits.shape[1] - 1)
+    tokens = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    return tokens.clamp(max=probs.shape[1] - 1)
 
 
 def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

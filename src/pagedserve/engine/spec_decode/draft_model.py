@@ -1,15 +1,19 @@
-"""Draft-model proposals: a smaller model sharing the target's tokenizer proposes k tokens greedily, with its own
-paged KV pool, runner and block tables.
+"""Draft-model proposals: a smaller model sharing the target's tokenizer proposes k tokens, with its own paged KV
+pool, runner and block tables.
 
 Each running request has a shadow request in the draft's pool. Before proposing, the shadow keeps the longest
 prefix of its computed tokens that the target's sequence still has (the accepted proposals; the rejected ones'
 blocks go back), then computes the rest (the target's new tokens) in one chunk per request and draws the first
 proposal; k - 1 decode steps draw the others. All shadows of a step go through each forward pass together.
-Greedy proposals are a point mass q, so the verifier's rule keeps the target's distribution exactly
-(verifier.py).
+
+A shadow carries its request's sampling parameters, seed and output, and a copy of its grammar matcher fed the
+proposals, so each proposal is drawn as the target's sampler would draw it (penalties, bias, grammar mask,
+bans, temperature, top-k/top-p/min-p) from the draft's logits. Greedy requests propose the argmax, a point mass
+(verifier.py's rule); sampled ones draw x ~ q and keep q for speculative sampling (rejection.py).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,16 +22,19 @@ from pagedserve.config import parse_size
 from pagedserve.engine.kv_cache import KVCacheManager
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
+from pagedserve.engine.sampler import SamplingBatch
+from pagedserve.engine.spec_decode.rejection import draft_sample
+from pagedserve.engine.structured_output import GrammarMask
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.loader import load_model
 from pagedserve.model.models import family
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.speculative_config import SpeculativeConfig
 
 
 @dataclass(slots=True)
 class DraftState:
     synced: int = 0  # the target's tokens at the last proposal: the shadow holds them, then its proposals
+    probs: torch.Tensor | None = None  # [k, V]: q of each sampled proposal, None for greedy ones
 
 
 class DraftModelProposer:
@@ -60,25 +67,44 @@ class DraftModelProposer:
             self.kv.free(rid)
 
     @torch.inference_mode()
-    def propose_all(self, items: list[tuple[Request, DraftState, int]]) -> list[list[int]]:
-        """Up to k greedy draft tokens for each (request, state, k)."""
+    def propose_all(self, items: list[tuple[Request, DraftState, int]],
+                    grammar_mask: Callable[[list[Request]], GrammarMask | None]) -> list[list[int]]:
+        """Up to k draft tokens for each (request, state, k); a sampled request's q go to its state."""
         proposals: list[list[int]] = [[] for _ in items]
+        qs: list[list[torch.Tensor]] = [[] for _ in items]
         active = []
-        for i, (req, _, k) in enumerate(items):
-            shadow = self._sync(req, items[i][1])
+        for i, (req, state, k) in enumerate(items):
+            shadow = self._sync(req, state)
             if self.kv.allocate_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k):
                 active.append((i, shadow, k))
         for j in range(max((k for _, _, k in active), default=0)):
             active = [(i, shadow, k) for i, shadow, k in active if k > j]
+            if not active:
+                break
             scheduled = [(shadow, shadow.num_tokens - shadow.num_computed_tokens) for _, shadow, _ in active]
             batch = self.runner.prepare(scheduled, self.kv.req_blocks)
             hidden = self.runner.execute(batch)
-            tokens = self.runner.compute_logits(hidden[batch.sample_rows]).argmax(dim=-1).tolist()
-            drawn = {id(shadow): token for shadow, token in zip(batch.sample_reqs, tokens)}  # decodes come first
-            for (i, shadow, _), (_, n) in zip(active, scheduled):
+            logits = self.runner.compute_logits(hidden[batch.sample_rows])
+            rows = batch.sample_reqs  # decodes come first
+            tokens, q = draft_sample(logits, SamplingBatch.build(rows, logits.shape[1], grammar_mask(rows)))
+            at = {id(shadow): r for r, shadow in enumerate(rows)}
+            going = []
+            for (i, shadow, k), (_, n) in zip(active, scheduled):
+                r = at[id(shadow)]
+                token = int(tokens[r])
                 shadow.num_computed_tokens += n
-                shadow.append_token(drawn[id(shadow)])
-                proposals[i].append(drawn[id(shadow)])
+                shadow.append_token(token)
+                proposals[i].append(token)
+                if q is not None and not shadow.params.greedy:
+                    qs[i].append(q[r])
+                if shadow.matcher is None or shadow.matcher.consume_token(token) and not (
+                        shadow.matcher.get_error() or shadow.matcher.is_stopped()):
+                    going.append((i, shadow, k))  # a grammar that ended (or failed) takes no more proposals
+            active = going
+        for i, (req, state, _) in enumerate(items):
+            state.probs = torch.stack(qs[i]) if qs[i] else None
+            if req.request_id in self.shadows:
+                self.shadows[req.request_id].matcher = None
         return proposals
 
     def _sync(self, req: Request, state: DraftState) -> Request:
@@ -86,14 +112,17 @@ class DraftModelProposer:
         share (the target's tokens before the last proposal never change: only the proposals are compared)."""
         shadow = self.shadows.get(req.request_id)
         if shadow is None:
-            shadow = self.shadows[req.request_id] = Request(req.request_id, list(req.all_token_ids),
-                                                            SamplingParams(max_tokens=1), 0.0, 0)
+            shadow = self.shadows[req.request_id] = Request(req.request_id, req.prompt_token_ids, req.params, 0.0,
+                                                            req.seed, eos_token_ids=req.eos_token_ids)
+            shadow.logprobs = shadow.prompt_logprobs = None  # the draft's own are never wanted
         same = min(state.synced, shadow.num_computed_tokens)
         limit = min(shadow.num_computed_tokens, req.num_tokens - 1)
         while same < limit and shadow.all_token_ids[same] == req.all_token_ids[same]:
             same += 1
         shadow.all_token_ids = list(req.all_token_ids)
+        shadow.output_token_ids = list(req.output_token_ids)
         shadow.num_computed_tokens = same
+        shadow.matcher = req.matcher.deep_copy() if req.matcher is not None else None
         state.synced = req.num_tokens
         self.kv.trim(shadow)
         return shadow
