@@ -12,7 +12,10 @@ from pagedserve.engine.spec_decode.ngram import NgramIndex, NgramProposer
 from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams
 from pagedserve.speculative_config import SpeculativeConfig
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# The static rule (vLLM's disable_by_batch_size) in every engine here: which steps propose must not depend on how
+# loaded this machine is, as the measured rule's does (its own test feeds it timings).
+STATIC = {"disable_by_batch_size": 64}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, **STATIC}
 CONTEXT = ("The quick brown fox jumps over the lazy dog. Alice went to the market to buy apples, pears and "
            "oranges, and then she walked home along the river, where she met Bob who was fishing for trout.")
 QUOTING = [f"Repeat the text exactly.\nText: {CONTEXT}\nRepeated text: {CONTEXT[:40]}",
@@ -299,7 +302,7 @@ def test_suffix_proposals_follow_frequent_continuations_and_other_requests():
 @pytest.mark.slow
 def test_suffix_method_greedy_identical(expected):
     llm = LLM(dtype="float32", kv_cache_memory="32MiB",
-              speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4, **STATIC})
     check_kv_after_each_step(llm)
     prompts, want = [QUOTING[1], QUOTING[2], OPEN[0]], [expected[1], expected[2], expected[3]]
     assert token_ids(llm.generate(prompts, GREEDY)) == want
