@@ -27,6 +27,7 @@ from pagedserve.model.quant_linear import kernel_path
 from pagedserve.sampling_params import SamplingParams
 from tests.lora_support import lora, make_adapters
 from tests.server_support import ServerProcess
+from tests.stack_support import Counted
 from tests.tp_support import collective_rank, run_ranks
 
 
@@ -316,6 +317,29 @@ def test_tp2_int4_kv_follows_tp1(parallel_llm, reference_prompts):
     forks = llm.generate([{"prompt_token_ids": odd}], SamplingParams(n=3, temperature=0, max_tokens=NUM_TOKENS))
     assert forks[0].outputs[0].token_ids == forks[0].outputs[1].token_ids == forks[0].outputs[2].token_ids
     assert llm.engine.runner.tails.in_use == 0
+
+
+@pytest.mark.slow
+def test_tp2_decode_stack_runs_on_every_rank(parallel_llm, reference_prompts):
+    """bf16 over quantized weights: each rank runs its layers in one C++ call per decode step, the all-reduces
+    between the halves. The stack equals the Python layers bit for bit, so rank 0 on its Python layers beside
+    rank 1's stack gives the very same run."""
+    llm = parallel_llm(tensor_parallel_size=2, dtype="bfloat16", quantization="gguf", kv_cache_memory="64MiB",
+                       cpu_binding="none", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    stack = model.decode_stack
+    assert stack is not None
+    model.decode_stack = Counted(stack)
+    prompts = reference_prompts[:3]
+    stacked = greedy_run(llm, prompts)
+    assert model.decode_stack.steps >= NUM_TOKENS - 1
+    model.decode_stack = None
+    try:
+        layers = greedy_run(llm, prompts)
+    finally:
+        model.decode_stack = stack
+    assert layers[0] == stacked[0]
+    assert all(torch.equal(a, b) for a, b in zip(layers[1], stacked[1], strict=True))
 
 
 def spawned_children(pid: int) -> list[int]:

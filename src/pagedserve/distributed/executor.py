@@ -188,9 +188,6 @@ class ParallelModelRunner(ModelRunner):
         self._guarded(super().__init__, model, workers.shard.local_config(config), *args, **kwargs)
         if self.tails is not None:
             self.tails.journal = {}
-        model.decode_stack = None  # the workers' too (worker.serve): it runs all layers with no collective between
-        logger.info("tensor parallel: the C++ decode stack is off (it cannot run collectives between layers); "
-                    "decode steps take the Python layers")
 
     def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -57,7 +57,6 @@ def serve(conn: Connection, model: torch.nn.Module, shard: RankShard) -> None:
             return
         if kind == "runner":
             runner = ModelRunner(model, shard.local_config(model.config), **payload)
-            model.decode_stack = None  # as on the driver (ParallelModelRunner)
         elif kind == "execute":
             if payload.lora is not None:
                 payload.lora = payload.lora.batch(runner.lora_slots, adapters)
