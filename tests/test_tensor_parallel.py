@@ -25,7 +25,7 @@ from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import quantize
 from pagedserve.model.quant_linear import kernel_path
 from pagedserve.sampling_params import SamplingParams
-from tests.lora_support import lora, make_adapters
+from tests.lora_support import load_adapter, lora, make_adapters
 from tests.server_support import ServerProcess
 from tests.stack_support import Counted
 from tests.tp_support import collective_rank, run_ranks
@@ -298,6 +298,25 @@ def test_workers_key_tails_follow_rank_0():
         assert torch.equal(follower.tail_of_block, lead.tail_of_block)
         assert follower.num_tails == lead.num_tails
     assert grown and grown[-1] == lead.num_tails > 1
+
+
+@pytest.mark.slow
+def test_server_serves_run_time_adapters_over_tp2(adapters, tp1_lora, reference_prompts):
+    """The server's load route under TP=2: an adapter loaded at run time reaches the worker with the first step
+    that uses it, and its greedy text is TP=1's."""
+    server = ServerProcess(["--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+                            "--embedding-model", "none", "--cpu-binding", "none", "--enable-lora", "--max-loras", "2",
+                            "--max-lora-rank", "16"], startup_timeout=300)
+    try:
+        assert load_adapter(server.url, "all16", adapters["all16"][0]).status_code == 200
+        body = {"model": "all16", "prompt": reference_prompts[0], "max_tokens": NUM_TOKENS, "temperature": 0,
+                "min_tokens": NUM_TOKENS}
+        text = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        expected = tp1_lora[1][0][ADAPTER_NAMES.index("all16")]
+        decoded = httpx.post(f"{server.url}/detokenize", json={"tokens": expected}, timeout=30).json()["prompt"]
+        assert text == decoded
+    finally:
+        server.stop()
 
 
 def test_tp2_int4_kv_follows_tp1(parallel_llm, reference_prompts):
