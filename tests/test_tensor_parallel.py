@@ -339,12 +339,13 @@ def test_tp2_int4_kv_follows_tp1(parallel_llm, reference_prompts):
 
 
 @pytest.mark.slow
-def test_tp2_decode_stack_runs_on_every_rank(parallel_llm, reference_prompts):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])  # int4: the stack reads the tails the workers follow
+def test_tp2_decode_stack_runs_on_every_rank(kv_cache_dtype, parallel_llm, reference_prompts):
     """bf16 over quantized weights: each rank runs its layers in one C++ call per decode step, the all-reduces
     between the halves. The stack equals the Python layers bit for bit, so rank 0 on its Python layers beside
     rank 1's stack gives the very same run."""
     llm = parallel_llm(tensor_parallel_size=2, dtype="bfloat16", quantization="gguf", kv_cache_memory="64MiB",
-                       cpu_binding="none", enable_prefix_caching=False)
+                       kv_cache_dtype=kv_cache_dtype, cpu_binding="none", enable_prefix_caching=False)
     model = llm.engine.runner.model
     stack = model.decode_stack
     assert stack is not None
