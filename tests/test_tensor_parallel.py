@@ -16,12 +16,18 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed.communicator import RankFailure
 from pagedserve.distributed.cpu_binding import parse_cores, rank_cores
 from pagedserve.distributed.executor import check_parallel
-from pagedserve.distributed.split import columns_of, even_parts, plan_shard
+from pagedserve.distributed.lora_shard import shard_adapter
+from pagedserve.distributed.split import columns_of, even_parts, gate_up_rows, plan_shard, qkv_rows
+from pagedserve.lora_request import LoRARequest
+from pagedserve.model.kv_int4 import KeyTails
+from pagedserve.model.lora import LoRAAdapter, LoRAWeights, fused_shapes
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import quantize
 from pagedserve.model.quant_linear import kernel_path
 from pagedserve.sampling_params import SamplingParams
+from tests.lora_support import load_adapter, lora, make_adapters
 from tests.server_support import ServerProcess
+from tests.stack_support import Counted
 from tests.tp_support import collective_rank, run_ranks
 
 
@@ -79,10 +85,41 @@ def test_cpu_binding_gives_each_rank_its_own_cores():
 def test_what_tensor_parallelism_cannot_run_yet_is_refused():
     with pytest.raises(ValueError, match="gemma3"):
         check_parallel(EngineConfig(tensor_parallel_size=2), "gemma3")
-    with pytest.raises(ValueError, match="LoRA"):
-        check_parallel(EngineConfig(tensor_parallel_size=2, enable_lora=True), "llama")
-    with pytest.raises(ValueError, match="int4"):
-        check_parallel(EngineConfig(tensor_parallel_size=2, kv_cache_dtype="int4"), "llama")
+
+
+def test_adapters_shard_like_their_base_layers():
+    """S-LoRA's split over SmolLM2's uneven 2 + 1 KV heads: column-parallel deltas are the rank's rows of the
+    whole delta, row-parallel ones sum over the ranks to it."""
+    config = smollm2(num_hidden_layers=1)
+    g = torch.Generator().manual_seed(0)
+    layer = {m: LoRAWeights(torch.randn(4, i, generator=g), torch.randn(o, 4, generator=g))
+             for m, (i, o) in fused_shapes(config).items()}
+    adapter = LoRAAdapter("a", 1, "/a", 4, [layer])
+    x = {m: torch.randn(3, w.a.shape[1], generator=g) for m, w in layer.items()}
+    whole = {m: x[m] @ w.a.T @ w.b.T for m, w in layer.items()}
+    shards = [plan_shard(config, r, 2) for r in range(2)]
+    parts = [shard_adapter(adapter, s, config).layers[0] for s in shards]
+    assert shard_adapter(adapter, shards[1], config).cache_key == adapter.cache_key
+    for shard, part in zip(shards, parts):
+        for module, rows in (("qkv_proj", qkv_rows(shard, config)), ("gate_up_proj", gate_up_rows(shard, config))):
+            w = part[module]
+            torch.testing.assert_close(x[module] @ w.a.T @ w.b.T, whole[module][:, rows])
+    d = config.head_dim
+    for module, cols in (("o_proj", [range(s.q_heads.start * d, s.q_heads.stop * d) for s in shards]),
+                         ("down_proj", [s.intermediate for s in shards])):
+        summed = sum(x[module][:, c.start:c.stop] @ p[module].a.T @ p[module].b.T for c, p in zip(cols, parts))
+        torch.testing.assert_close(summed, whole[module], rtol=1e-4, atol=1e-3)  # sums of ~100: fp32 order
+
+
+def test_disaggregation_is_refused_at_start_up():
+    """A TP=2 prefill worker cannot hand its KV to a TP=1 decode worker: the server says so before loading."""
+    from pagedserve.cli import build_parser
+    from pagedserve.server.api_server import build_state
+
+    for role in ("prefill", "decode", "both"):
+        args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--kv-role", role])
+        with pytest.raises(SystemExit, match="TP=2 prefill worker to a TP=1 decode worker"):
+            build_state(args)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -118,8 +155,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOK
 FP32 = {"dtype": "float32", "kv_cache_memory": "32MiB", "cpu_binding": "none"}
 
 
-def greedy_run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
-               ) -> tuple[list[list[int]], list[torch.Tensor]]:
+def greedy_run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY,
+               loras: list[LoRARequest | None] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Every sample's tokens, and every logits tensor the engine sampled from, in order (a spy on its runner)."""
     seen: list[torch.Tensor] = []
     runner = llm.engine.runner
@@ -132,7 +169,7 @@ def greedy_run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREE
 
     runner.compute_logits = spy
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
     finally:
         del runner.compute_logits
     return [c.token_ids for o in outs for c in o.outputs], seen
@@ -177,6 +214,9 @@ def test_tp2_matches_tp1(parallel_llm, tp1_reference, reference_prompts):
     assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[0])
     assert_same_run(greedy_run(llm, reference_prompts[:4]), tp1_reference[1])
     assert llm.engine.stats().prefix_cache_hit_tokens > 0
+    for handoff in (lambda: llm.engine.runner.export_blocks([0]), lambda: llm.engine.runner.import_blocks([0], b"", 1)):
+        with pytest.raises(ValueError, match="TP=2 prefill worker to a TP=1 decode worker"):
+            handoff()
     worker = llm.engine.workers.procs[0]
     worker.kill()
     worker.join(timeout=10)
@@ -216,6 +256,110 @@ def test_tp2_composes(engine_args, params, atol, parallel_llm, reference_prompts
         assert_same_run(greedy_run(llm, prompts, params), expected, atol)
     finally:
         kernel_path.cache_clear()
+
+
+LORA = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+ADAPTER_NAMES = ["all16", "mlp4", None, "attn8"]  # two adapters and the base model at once, then a slot swap
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, hf_model) -> dict:
+    return make_adapters(hf_model, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def tp1_lora(adapters, reference_prompts) -> tuple:
+    loras = [lora(adapters, n) if n else None for n in ADAPTER_NAMES]
+    return loras, greedy_run(LLM(**FP32, **LORA), reference_prompts[:4], loras=loras)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_lora_matches_tp1(world, parallel_llm, tp1_lora, reference_prompts):
+    """Adapters sharded like their base layers: two adapters and the base model in one batch, then a third
+    adapter takes the slot one frees (the workers mirror rank 0's slots). Each adapter reaches the workers the
+    first time a step uses it, however it was loaded."""
+    loras, expected = tp1_lora
+    llm = parallel_llm(tensor_parallel_size=world, **FP32, **LORA)
+    assert_same_run(greedy_run(llm, reference_prompts[:4], loras=loras), expected)
+
+
+def test_workers_key_tails_follow_rank_0():
+    """int4 KV: a worker never plans its key tails; it follows rank 0's record of its plans, forks and releases,
+    growth included, so the kernels read the same tail of every block on every rank."""
+    lead, follower = KeyTails(8, 4, 1), KeyTails(8, 4, 1)
+    lead.journal = {}
+    grown: list[int] = []
+    follower.on_grow.append(grown.append)
+    steps = [lambda: lead.plan([0, 1, 8, 9]), lambda: lead.fork(0, 5), lambda: lead.plan([2, 3, 10, 20, 21]),
+             lambda: lead.release([5, 2]), lambda: lead.plan([24, 25, 26, 27, 28])]
+    for step in steps:
+        step()
+        follower.follow(*lead.drain())
+        assert torch.equal(follower.tail_of_block, lead.tail_of_block)
+        assert follower.num_tails == lead.num_tails
+    assert grown and grown[-1] == lead.num_tails > 1
+
+
+@pytest.mark.slow
+def test_server_serves_run_time_adapters_over_tp2(adapters, tp1_lora, reference_prompts):
+    """The server's load route under TP=2: an adapter loaded at run time reaches the worker with the first step
+    that uses it, and its greedy text is TP=1's."""
+    server = ServerProcess(["--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+                            "--embedding-model", "none", "--cpu-binding", "none", "--enable-lora", "--max-loras", "2",
+                            "--max-lora-rank", "16"], startup_timeout=300)
+    try:
+        assert load_adapter(server.url, "all16", adapters["all16"][0]).status_code == 200
+        body = {"model": "all16", "prompt": reference_prompts[0], "max_tokens": NUM_TOKENS, "temperature": 0,
+                "min_tokens": NUM_TOKENS}
+        text = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        expected = tp1_lora[1][0][ADAPTER_NAMES.index("all16")]
+        decoded = httpx.post(f"{server.url}/detokenize", json={"tokens": expected}, timeout=30).json()["prompt"]
+        assert text == decoded
+    finally:
+        server.stop()
+
+
+def test_tp2_int4_kv_follows_tp1(parallel_llm, reference_prompts):
+    """int4 KV under TP=2 against TP=1. Not token for token: a last-bit fp32 difference in a block's keys can move
+    a channel's 4-bit scale code, and greedy runs then part (TP=1 itself parts from TP=1 with chunked prefill on 3
+    of these 5 prompts). Measured: the prefill's logits differ by 0.38 on average (a worker that ignored rank 0's
+    key tails: 2.5) and 3 of the 5 runs are identical. n = 3 forks a partly written block: the children stay
+    with their parent only if every rank copies its tail."""
+    args = {**FP32, "kv_cache_dtype": "int4"}
+    prompts = reference_prompts[:5]
+    tokens, logits = greedy_run(LLM(**args), prompts)
+    llm = parallel_llm(tensor_parallel_size=2, **args)
+    tp_tokens, tp_logits = greedy_run(llm, prompts)
+    assert [t[0] for t in tp_tokens] == [t[0] for t in tokens]
+    assert (tp_logits[0] - logits[0]).abs().mean() < 1.0
+    odd = next(p for p in prompts if len(p) % 16)
+    forks = llm.generate([{"prompt_token_ids": odd}], SamplingParams(n=3, temperature=0, max_tokens=NUM_TOKENS))
+    assert forks[0].outputs[0].token_ids == forks[0].outputs[1].token_ids == forks[0].outputs[2].token_ids
+    assert llm.engine.runner.tails.in_use == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])  # int4: the stack reads the tails the workers follow
+def test_tp2_decode_stack_runs_on_every_rank(kv_cache_dtype, parallel_llm, reference_prompts):
+    """bf16 over quantized weights: each rank runs its layers in one C++ call per decode step, the all-reduces
+    between the halves. The stack equals the Python layers bit for bit, so rank 0 on its Python layers beside
+    rank 1's stack gives the very same run."""
+    llm = parallel_llm(tensor_parallel_size=2, dtype="bfloat16", quantization="gguf", kv_cache_memory="64MiB",
+                       kv_cache_dtype=kv_cache_dtype, cpu_binding="none", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    stack = model.decode_stack
+    assert stack is not None
+    model.decode_stack = Counted(stack)
+    prompts = reference_prompts[:3]
+    stacked = greedy_run(llm, prompts)
+    assert model.decode_stack.steps >= NUM_TOKENS - 1
+    model.decode_stack = None
+    try:
+        layers = greedy_run(llm, prompts)
+    finally:
+        model.decode_stack = stack
+    assert layers[0] == stacked[0]
+    assert all(torch.equal(a, b) for a, b in zip(layers[1], stacked[1], strict=True))
 
 
 def spawned_children(pid: int) -> list[int]:

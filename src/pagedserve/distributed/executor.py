@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import weakref
+from collections import OrderedDict
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -23,11 +24,13 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.communicator import RankFailure, gloo_store
 from pagedserve.distributed.cpu_binding import bind, rank_cores
+from pagedserve.distributed.lora_shard import LoRAPlan, shard_adapter
 from pagedserve.distributed.parallel_layers import shard_llama
 from pagedserve.distributed.parallel_state import open_communicator, shm_for
 from pagedserve.distributed.split import plan_shard
 from pagedserve.distributed.worker import worker_main
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
+from pagedserve.model.lora import LoRAAdapter
 from pagedserve.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,13 @@ COLLECTIVE_TIMEOUT_S = 300.0  # the longest one collective may wait for a rank t
 SUPPORTED_FAMILIES = ("llama",)
 
 
+# Each rank holds its own KV heads' share of every block, and the transfer format is one process's whole blocks.
+NO_KV_TRANSFER = ("disaggregated serving (--kv-role) is not supported with --tensor-parallel-size > 1 yet: each "
+                  "rank holds only its own KV heads' share of a block, so a tensor-parallel prefill worker cannot "
+                  "hand its KV to a decode worker (a TP=2 prefill worker to a TP=1 decode worker included) nor "
+                  "import one's; run disaggregated workers with --tensor-parallel-size 1")
+
+
 def check_parallel(config: EngineConfig, family: str) -> None:
     """Refuses, naming it, what tensor parallelism cannot run yet."""
     if config.tensor_parallel_size < 1:
@@ -44,11 +54,6 @@ def check_parallel(config: EngineConfig, family: str) -> None:
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"--tensor-parallel-size > 1 is not supported for {family} models yet; supported families: "
                          f"{', '.join(SUPPORTED_FAMILIES)}")
-    if config.enable_lora:
-        raise ValueError("--tensor-parallel-size > 1 does not serve LoRA adapters yet")
-    if config.kv_cache_dtype == "int4":  # its key tails are bookkept by each runner, so the workers' would drift
-        raise ValueError("--tensor-parallel-size > 1 does not support --kv-cache-dtype int4 yet; supported: auto, "
-                         "bfloat16, float32, fp8, fp8_e5m2, int8")
 
 
 class Workers:
@@ -173,12 +178,16 @@ class ParallelModelRunner(ModelRunner):
 
     def __init__(self, workers: Workers, model: torch.nn.Module, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
         self.workers = workers
+        self.full_config = config
+        # rank 0's parts of the adapters the workers hold, least recently used first; twice the slots, so that
+        # a step's adapters (at most max_loras) are never the ones forgotten
+        self.adapter_parts: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.max_adapter_parts = 2 * kwargs.get("max_loras", 0)
         names = ["kv_format", "num_blocks", "block_size"]
         workers.send("runner", {**dict(zip(names, args)), **kwargs})
         self._guarded(super().__init__, model, workers.shard.local_config(config), *args, **kwargs)
-        model.decode_stack = None  # the workers' too (worker.serve): it runs all layers with no collective between
-        logger.info("tensor parallel: the C++ decode stack is off (it cannot run collectives between layers); "
-                    "decode steps take the Python layers")
+        if self.tails is not None:
+            self.tails.journal = {}
 
     def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -186,22 +195,38 @@ class ParallelModelRunner(ModelRunner):
         except RankFailure as exc:
             raise self.workers.failed(exc) from exc
 
+    def adapter_part(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Rank 0's part of adapter; the first time, the workers get the whole (however it was loaded: a
+        request's lora_request or the server's load route) and keep their parts, before the step that uses it."""
+        key = adapter.cache_key
+        part = self.adapter_parts.get(key)
+        if part is not None:
+            self.adapter_parts.move_to_end(key)
+            return part
+        self.workers.send("lora", adapter)
+        part = self.adapter_parts[key] = shard_adapter(adapter, self.workers.shard, self.full_config)
+        if len(self.adapter_parts) > self.max_adapter_parts:
+            self.workers.send("lora_drop", self.adapter_parts.popitem(last=False)[0])
+        return part
+
     def execute(self, batch: BatchInputs) -> torch.Tensor:
-        self.workers.send("execute", replace(batch, sample_rows=[], sample_reqs=[], prompt_rows=[]))
+        if self.tails is not None:  # int4 KV: the workers' key tails follow the ones rank 0 planned
+            self.workers.send("tails", self.tails.drain())
+        lora = None if batch.lora is None else LoRAPlan.of(batch.lora)
+        self.workers.send("execute", replace(batch, sample_rows=[], sample_reqs=[], prompt_rows=[], lora=lora))
         return self._guarded(super().execute, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.workers.send("logits", hidden.clone())  # a view would pickle its whole base
         return self._guarded(super().compute_logits, hidden)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        self.workers.send("copy_blocks", copies)
-        super().copy_blocks(copies)
+    def copy_blocks(self, copies: list[tuple[int, int]], tails: list[tuple[int, int] | None] | None = None) -> None:
+        tails = self.fork_tails(copies) if tails is None else tails
+        self.workers.send("copy_blocks", (copies, tails))
+        super().copy_blocks(copies, tails)
 
     def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> memoryview:
-        raise ValueError("KV blocks cannot be exported from a tensor-parallel replica yet (each rank holds its own "
-                         "heads' share)")
+        raise ValueError(NO_KV_TRANSFER)
 
     def import_blocks(self, block_ids: list[int], data: bytes | memoryview, num_blocks: int, first: int = 0) -> None:
-        raise ValueError("KV blocks cannot be imported into a tensor-parallel replica yet (each rank holds its own "
-                         "heads' share)")
+        raise ValueError(NO_KV_TRANSFER)

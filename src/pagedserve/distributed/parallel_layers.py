@@ -5,6 +5,7 @@ Row-parallel ones sum their partial products across ranks before the residual jo
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,15 +18,22 @@ from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
 
 
 class RowParallelLinear(nn.Module):
-    """o_proj and down_proj: this rank's input columns, then the all-reduce, then the residual."""
+    """o_proj and down_proj: this rank's input columns, then the all-reduce, then the residual. add_partial
+    (the step's LoRA, whose A holds the same input columns) adds to the partial product before the sum."""
+
+    sums_partials = True  # what models/llama.py's project_out asks
 
     def __init__(self, inner: nn.Module, comm: Any) -> None:
         super().__init__()
         self.inner = inner
         self.comm = comm
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.comm.all_reduce(self.inner(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                add_partial: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        y = self.inner(x)
+        if add_partial is not None:
+            add_partial(y)
+        y = self.comm.all_reduce(y)
         return y if residual is None else residual + y
 
 

@@ -14,10 +14,12 @@ import torch
 
 from pagedserve.distributed.communicator import RankFailure, gloo_store
 from pagedserve.distributed.cpu_binding import bind
+from pagedserve.distributed.lora_shard import shard_adapter
 from pagedserve.distributed.parallel_layers import shard_llama
 from pagedserve.distributed.parallel_state import open_communicator
 from pagedserve.distributed.split import RankShard, plan_shard
 from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.model.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +50,26 @@ def worker_main(rank: int, world: int, port: int, shm: Path | None, cores: list[
 @torch.inference_mode()
 def serve(conn: Connection, model: torch.nn.Module, shard: RankShard) -> None:
     runner: ModelRunner | None = None
+    adapters: dict[str, LoRAAdapter] = {}  # this rank's parts of the adapters rank 0 sent, by cache_key
     while True:
         kind, payload = pickle.loads(conn.recv_bytes())
         if kind == "stop":
             return
         if kind == "runner":
             runner = ModelRunner(model, shard.local_config(model.config), **payload)
-            model.decode_stack = None  # as on the driver (ParallelModelRunner)
         elif kind == "execute":
+            if payload.lora is not None:
+                payload.lora = payload.lora.batch(runner.lora_slots, adapters)
             runner.execute(payload)
+        elif kind == "lora":
+            adapters[payload.cache_key] = shard_adapter(payload, shard, model.config)
+        elif kind == "lora_drop":
+            adapters.pop(payload, None)
         elif kind == "logits":
             runner.compute_logits(payload)
         elif kind == "copy_blocks":
-            runner.copy_blocks(payload)
+            runner.copy_blocks(*payload)
+        elif kind == "tails":
+            runner.tails.follow(*payload)
         else:
             raise ValueError(f"unknown step message {kind!r}")

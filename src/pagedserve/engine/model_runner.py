@@ -113,7 +113,8 @@ class ModelRunner:
             tokens = req.all_token_ids + req.spec_token_ids if req.spec_token_ids else req.all_token_ids
             ids += tokens[first:first + n]
             if req.lora is not None:
-                lora_rows.setdefault(id(req.lora), (req.lora, []))[1].append(range(start, start + n))
+                part = lora_rows.setdefault(id(req.lora), (self.adapter_part(req.lora), []))
+                part[1].append(range(start, start + n))
             positions += range(first, first + n)
             if first + n == req.num_tokens_with_spec:  # proposals: their rows end at sample_rows' (spec_decode/)
                 sample_rows.append(start + n - 1)
@@ -125,6 +126,11 @@ class ModelRunner:
         return BatchInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                            self._metadata(rows, len(decodes)), sample_rows, sample_reqs, prompt_rows,
                            self.lora_slots.batch(list(lora_rows.values())) if lora_rows else None)
+
+    def adapter_part(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """The weights of adapter this runner applies: all of them here, this rank's part under tensor
+        parallelism (distributed/executor.py)."""
+        return adapter
 
     def _metadata(self, rows: list[tuple[int, int, list[list[int]]]], num_decodes: int,
                   plan_tails: bool = True) -> AttentionMetadata | HybridMetadata:
@@ -230,9 +236,14 @@ class ModelRunner:
                 t.view(bits).index_copy_(0, rows, chunk[first * per_block:first * per_block + len(rows)])
                 offset += size
 
+    def fork_tails(self, copies: list[tuple[int, int]]) -> list[tuple[int, int] | None]:
+        """int4: the key tails of copies' partly written source blocks, and the new ones of their copies."""
+        return [self.tails.fork(src, dst) for src, dst in copies] if self.tails is not None else []
+
     @torch.inference_mode()
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        tails = [self.tails.fork(src, dst) for src, dst in copies] if self.tails is not None else []
+    def copy_blocks(self, copies: list[tuple[int, int]], tails: list[tuple[int, int] | None] | None = None) -> None:
+        """tails: fork_tails(copies) as rank 0 made them, on a tensor-parallel worker."""
+        tails = self.fork_tails(copies) if tails is None else tails
         for layer in self.storage:
             for src, dst in copies:
                 layer.copy_block(src, dst, self.block_size)

@@ -32,8 +32,8 @@ def build_decode_stack(model: Any, stack_cls: str = "DecodeStack") -> Any | None
     kernels, config = model.kernels, model.config
     if kernels is None or kernel_path() not in PATHS or config.head_dim not in KERNEL_HEAD_DIMS:
         return None
-    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-               for layer in model.layers]
+    linears = [(layer.self_attn.qkv_proj, unreduced(layer.self_attn.o_proj), layer.mlp.gate_up_proj,
+                unreduced(layer.mlp.down_proj)) for layer in model.layers]
     if not all(isinstance(m, QuantLinear) and m.bias is None and not m.qweight.per_token_int8
                and m.qweight.input_perm is None  # W8A8 quantizes its tokens, GPTQ's act order gathers them, in Python
                for group in linears for m in group):
@@ -47,7 +47,15 @@ def build_decode_stack(model: Any, stack_cls: str = "DecodeStack") -> Any | None
         stack.add_layer(*layer.stack_norms(), [w.qweight for w in weights], [w.scales for w in weights],
                         [w.mins for w in weights], [w.bits for w in weights], [w.group for w in weights],
                         [w.hadamard for w in weights])
+    o_proj = model.layers[0].self_attn.o_proj
+    if getattr(o_proj, "sums_partials", False):  # a tensor-parallel rank: the all-reduces run between the halves
+        stack.set_all_reduce(o_proj.comm.all_reduce)
     return stack
+
+
+def unreduced(proj: Any) -> Any:
+    """A row-parallel projection's own linear (the stack makes its all-reduce), else proj."""
+    return proj.inner if getattr(proj, "sums_partials", False) else proj
 
 
 def stack_takes(rows: int, meta: AttentionMetadata, kv_caches: list[LayerKVCache]) -> bool:

@@ -50,6 +50,8 @@ class KeyTails:
         self._of_block = [-1] * num_blocks  # its mirror, for Python's per-step planning
         self._free = list(range(num_tails))
         self.on_grow: list[Callable[[int], None]] = []  # each layer resizes its tail tensor
+        # tensor parallelism: rank 0 plans, and records each block's new tail for the workers to follow
+        self.journal: dict[int, int] | None = None
 
     @property
     def in_use(self) -> int:
@@ -100,21 +102,39 @@ class KeyTails:
                 self._set(b, -1)
                 self._free.append(tail)
 
+    def drain(self) -> tuple[int, dict[int, int]]:
+        """Rank 0: the tails' count and each block's tail set since the last drain."""
+        changes, self.journal = self.journal or {}, {}
+        return self.num_tails, changes
+
+    def follow(self, num_tails: int, changes: dict[int, int]) -> None:
+        """A worker rank: its tails as rank 0's drain gave them (the workers never plan: the step's plan comes
+        with its batch, and copy_blocks with the tails rank 0 forked)."""
+        if num_tails > self.num_tails:
+            self._grow(num_tails)
+        for block, tail in changes.items():
+            self._set(block, tail)
+
     def _take(self, block: int) -> int:
         if not self._free:
             grown = max(2 * self.num_tails, 1)
             logger.info("int4 KV: %d key tails in use; growing to %d", self.num_tails, grown)
             self._free = list(range(self.num_tails, grown))
-            self.num_tails = grown
-            for resize in self.on_grow:
-                resize(grown)
+            self._grow(grown)
         tail = self._free.pop()
         self._set(block, tail)
         return tail
 
+    def _grow(self, num_tails: int) -> None:
+        self.num_tails = num_tails
+        for resize in self.on_grow:
+            resize(num_tails)
+
     def _set(self, block: int, tail: int) -> None:
         self._of_block[block] = tail
         self.tail_of_block[block] = tail
+        if self.journal is not None:
+            self.journal[block] = tail
 
 
 def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -275,6 +275,17 @@ class LoRASlots:
             out.append(self.slot_of[key])
         return out
 
+    def hold(self, adapter: LoRAAdapter, slot: int) -> None:
+        """Puts adapter in slot unless it is there already: a tensor-parallel worker mirrors the slots rank 0's
+        _activate chose, so that rank 0's LoRABatch indexes every rank's slots alike."""
+        key = adapter.cache_key
+        if self.slot_of.get(key) == slot:
+            return
+        for k in [k for k, s in self.slot_of.items() if s == slot or k == key]:
+            del self.slot_of[k]
+        self._write(adapter, slot)
+        self.slot_of[key] = slot
+
     def _write(self, adapter: LoRAAdapter, slot: int) -> None:
         for module in self.shapes:
             rank = max((layer[module].a.shape[0] for layer in adapter.layers if module in layer), default=0)

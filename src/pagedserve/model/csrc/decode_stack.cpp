@@ -71,6 +71,11 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Tensor parallelism: this rank's layers hold its heads and MLP columns, and all_reduce (its collective, called
+  // with the GIL forward holds) sums the o and down partial products before the residual joins, as
+  // distributed/parallel_layers.py's RowParallelLinear does.
+  void set_all_reduce(py::object all_reduce) { all_reduce_ = std::move(all_reduce); }
+
   // x [B, hidden] bf16 (the embeddings) -> the last layer's output; one KV cache (and its optional scales) per
   // layer. int4 KV: the step's key plan (key_rows, completions), each layer's key tails and key offsets, and the
   // tail of each block.
@@ -104,9 +109,9 @@ class DecodeStack {
       const torch::Tensor o = paged_decode_attention(q, k_caches[i], v_caches[i], k_scales[i], v_scales[i],
                                                      block_tables, context_lens, block_size, scale_, k_tails[i],
                                                      int4 ? tail_of_block : c10::nullopt, 0);
-      x = linear(o.flatten(1), layer.o, x);
+      x = row_linear(o.flatten(1), layer.o, x);
       const torch::Tensor h = silu_and_mul(linear(rms_norm(x, layer.post_norm, eps_), layer.gate_up, c10::nullopt));
-      x = linear(h, layer.down, x);
+      x = row_linear(h, layer.down, x);
     }
     return x;
   }
@@ -116,10 +121,17 @@ class DecodeStack {
     return ::linear(x, w, residual, path_, amx_min_rows_);
   }
 
+  // residual + x w^T, summed over the ranks first when there are several
+  torch::Tensor row_linear(const torch::Tensor& x, const QuantLinear& w, const torch::Tensor& residual) const {
+    if (all_reduce_.is_none()) return linear(x, w, residual);
+    return residual + all_reduce_(linear(x, w, c10::nullopt)).cast<torch::Tensor>();
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   int64_t path_, amx_min_rows_;
   std::vector<Layer> layers_;
+  py::object all_reduce_ = py::none();
 };
 
 // Gemma 3's decoder layers (models/gemma3.py's kernel path, op for op): bf16 KV caches or fp8 / int8 (no int4: a
@@ -197,6 +209,7 @@ void register_decode_stack(py::module& m) {
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("path"),
            py::arg("amx_min_rows"))
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_all_reduce", &DecodeStack::set_all_reduce)
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward);
 }

@@ -60,10 +60,21 @@ class Attention(nn.Module):
                 q, k = hadamard(q), hadamard(k)
             kv.write(k, v, ctx.meta.slot_mapping, ctx.meta.key_plan)
         o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels).flatten(1)
-        out = self.o_proj(o, residual)
-        if ctx.lora is not None:
-            ctx.lora.add(out, o, self.layer_index, "o_proj")
-        return out
+        return project_out(self.o_proj, o, residual, ctx, self.layer_index, "o_proj")
+
+
+def project_out(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext, layer: int,
+                module: str) -> torch.Tensor:
+    """residual + proj(x) + the step's LoRA delta of module. A row-parallel proj (tensor parallelism) holds this
+    rank's input columns, as its adapters' A do: their partial delta must join its partial product before the
+    all-reduce, else each rank would add only its own part."""
+    if ctx.lora is None:
+        return proj(x, residual)
+    if getattr(proj, "sums_partials", False):
+        return proj(x, residual, lambda y: ctx.lora.add(y, x, layer, module))
+    out = proj(x, residual)
+    ctx.lora.add(out, x, layer, module)
+    return out
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -92,10 +103,7 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = ACTIVATIONS[self.act](gate) * up
-        out = self.down_proj(h, residual)
-        if ctx.lora is not None:
-            ctx.lora.add(out, h, self.layer_index, "down_proj")
-        return out
+        return project_out(self.down_proj, h, residual, ctx, self.layer_index, "down_proj")
 
 
 class DecoderLayer(nn.Module):
