@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-BUILT_IN = "built-in: the standard library's documentation (bench/workloads.corpus_text)"
+BUILT_IN = "built-in: the standard library's documentation (pagedserve/corpus.py)"
 
 
 @dataclass(slots=True)
@@ -24,7 +24,7 @@ class Calibration:
 def read_text(calibration: str | None) -> tuple[str, str]:
     """(text, what it is)."""
     if calibration is None:
-        from pagedserve.bench.workloads import corpus_text
+        from pagedserve.corpus import corpus_text
 
         return corpus_text(), BUILT_IN
     path = Path(calibration)

@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def quantize(args: argparse.Namespace, grid: Grid) -> dict:
-    from pagedserve.bench.perplexity import score, windows
     from pagedserve.model.loader import is_gguf, load_model, resolve_model_path
     from pagedserve.quantize.calibration import calibration_set, read_text
+    from pagedserve.quantize.perplexity import perplexity, windows
     from pagedserve.quantize.sequential import quantize_weights
     from pagedserve.quantize.writer import write_folder
 
@@ -101,8 +101,8 @@ def quantize(args: argparse.Namespace, grid: Grid) -> dict:
     chunks = windows(cal.scored, args.ppl_window)
     ppl: dict = {"tokens": len(cal.scored), "window": args.ppl_window, "overlaps_calibration": cal.overlaps}
     if chunks:
-        ppl["before"] = score({"model": args.model, "dtype": "float32"}, chunks).perplexity
-        ppl["after"] = score({"model": str(args.out), "dtype": "float32"}, chunks).perplexity
+        ppl["before"] = perplexity(args.model, chunks)
+        ppl["after"] = perplexity(str(args.out), chunks)
         ppl["change"] = ppl["after"] / ppl["before"] - 1
         if args.transformers_python:
             ppl["transformers"] = transformers_perplexity(args.transformers_python, args.out, cal.scored,
