@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.model.checkpoints.compressed_tensors import load_compressed_tensors
 from pagedserve.model.kernels import cpu_kernels
-from pagedserve.quantize.awq import gram, search_clip, search_scales
+from pagedserve.quantize.awq import metric, search_clip, search_scales
 from pagedserve.quantize.cli import grid_for
 from pagedserve.quantize.gptq import gptq, hessian
 from pagedserve.quantize.rtn import Grid, rtn
@@ -59,9 +59,9 @@ def test_awq_scales_and_clipping_beat_round_to_nearest_with_outlier_channels():
     x[:, :4] *= 30  # a few activation channels far larger than the rest, as in real layers
     w = torch.randn(96, 128)
     grid = Grid(4, 32)
-    g = gram(x)
-    s = search_scales([w], x.abs().mean(0), g, grid)
-    scaled = rtn(w * s, grid, search_clip(w * s, g / torch.outer(s, s), grid)).dequantize() / s
+    m = metric(x)
+    s = search_scales([w], x.abs().mean(0), m, grid)
+    scaled = rtn(w * s, grid, search_clip(w * s, m / s.unsqueeze(1), grid)).dequantize() / s
     baseline = output_error(w, rtn(w, grid).dequantize(), x)
     assert not torch.allclose(s, torch.ones_like(s))
     assert output_error(w, scaled, x) < 0.7 * baseline

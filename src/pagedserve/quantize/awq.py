@@ -2,8 +2,8 @@
 error of the linears that share the input, folded into what produces that input (so the float model is
 unchanged and only the rounding moves), then a per-group clipping search of the weights' range.
 
-Errors are measured through G = X^T X (output error of dW on X is tr(dW G dW^T)), which is exact and cheaper
-than running the calibration tokens again for every candidate once there are more tokens than input channels."""
+Errors are measured as ||dW M||^2 with M = X^T, or once there are more tokens than input channels the Cholesky
+factor L of G = X^T X (tr(dW G dW^T) = ||dW L||^2): exact either way, at the cost of the smaller."""
 from __future__ import annotations
 
 import torch
@@ -16,33 +16,37 @@ MAX_SHRINK = 0.5  # clipping keeps at least half of each group's range
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # as AutoAWQ: their errors meet in the softmax, not per group
 
 
-def gram(x: torch.Tensor) -> torch.Tensor:
+def metric(x: torch.Tensor) -> torch.Tensor:
+    """M [K, m] with ||dW M||^2 the squared output error of dW on the tokens x [..., K]."""
     x = x.reshape(-1, x.shape[-1])
-    return (x.T.double() @ x.double()).float()
+    if x.shape[0] <= x.shape[1]:
+        return x.T.contiguous()
+    g = x.T.double() @ x.double()
+    g += 1e-6 * g.diagonal().mean() * torch.eye(g.shape[0], dtype=g.dtype)  # dead channels leave G singular
+    return torch.linalg.cholesky(g).float()
 
 
-def output_error(dw: torch.Tensor, g: torch.Tensor) -> float:
-    """Squared error of x @ dw.T summed over the calibration tokens whose Gram matrix is g."""
-    return float(((dw @ g) * dw).sum())
+def output_error(dw: torch.Tensor, m: torch.Tensor) -> float:
+    return float((dw @ m).square().sum())
 
 
-def search_scales(weights: list[torch.Tensor], x_mean: torch.Tensor, g: torch.Tensor, grid: Grid) -> torch.Tensor:
+def search_scales(weights: list[torch.Tensor], x_mean: torch.Tensor, m: torch.Tensor, grid: Grid) -> torch.Tensor:
     """The per-channel scales [K] (alpha in 0, 1/20 .. 19/20; alpha 0 is plain round-to-nearest)."""
     best, best_s = float("inf"), torch.ones_like(x_mean)
     for i in range(N_GRID):
         s = x_mean.pow(i / N_GRID).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        err = sum(output_error(w - rtn(w * s, grid).dequantize() / s, g) for w in weights)
+        err = sum(output_error(w - rtn(w * s, grid).dequantize() / s, m) for w in weights)
         if err < best:
             best, best_s = err, s
     return best_s
 
 
-def search_clip(w: torch.Tensor, g: torch.Tensor, grid: Grid) -> torch.Tensor:
+def search_clip(w: torch.Tensor, m: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Per (row, group) range ratio in 1, 0.95 .. 0.55 with the least output error of that group's columns."""
     n, k = w.shape
     size = k if grid.group is None else grid.group
-    blocks = torch.stack([g[i:i + size, i:i + size] for i in range(0, k, size)])  # [groups, s, s]
+    blocks = torch.stack([m[i:i + size] @ m[i:i + size].T for i in range(0, k, size)])  # G's [groups, s, s]
     best = torch.full((n, k // size), float("inf"))
     ratio = torch.ones_like(best)
     for i in range(int(MAX_SHRINK * N_GRID)):
@@ -61,14 +65,14 @@ def awq_layer(w: dict[str, torch.Tensor], taps: dict[str, torch.Tensor], grid: G
     w = dict(w)
     producer = {"qkv": "input_layernorm.weight", "gate_up": "post_attention_layernorm.weight",
                 "down": "mlp.up_proj.weight", "o": "self_attn.v_proj.weight" if fold_o else None}
-    grams = {}
+    metrics = {}
     for tap, names in GROUPS.items():
         x = taps[tap]
-        grams[tap] = gram(x)
+        metrics[tap] = metric(x)
         if producer[tap] is None:
             continue
         x_mean = x.reshape(-1, x.shape[-1]).abs().mean(0)
-        s = search_scales([w[f"{n}.weight"] for n in names], x_mean, grams[tap], grid)
+        s = search_scales([w[f"{n}.weight"] for n in names], x_mean, metrics[tap], grid)
         for n in names:
             w[f"{n}.weight"] = w[f"{n}.weight"] * s
         prev = producer[tap]
@@ -76,11 +80,11 @@ def awq_layer(w: dict[str, torch.Tensor], taps: dict[str, torch.Tensor], grid: G
         bias = prev.replace(".weight", ".bias")
         if bias in w:  # Qwen2's v_proj
             w[bias] = w[bias] / s
-        grams[tap] = grams[tap] / torch.outer(s, s)  # the folded layer's inputs are x / s
+        metrics[tap] = metrics[tap] / s.unsqueeze(1)  # the folded layer's inputs are x / s
     quantized = {}
     for tap, names in GROUPS.items():
         for n in names:
             weight = w[f"{n}.weight"]
-            ratio = 1.0 if n in NO_CLIP else search_clip(weight, grams[tap], grid)
+            ratio = 1.0 if n in NO_CLIP else search_clip(weight, metrics[tap], grid)
             quantized[n] = rtn(weight, grid, ratio)
     return w, quantized
