@@ -14,8 +14,8 @@ BLOCK = 128  # columns per lazy batch update
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
-    """2 X^T X / n over every token of x [..., K], in float64 so that long calibrations do not lose the small terms."""
-    x = x.reshape(-1, x.shape[-1]).double()
+    """2 X^T X / n over every token of x [..., K] (fp32, as llm-compressor; the factorisation is in fp64)."""
+    x = x.reshape(-1, x.shape[-1]).float()
     return (2.0 / x.shape[0]) * (x.T @ x)
 
 
@@ -38,16 +38,16 @@ def gptq(w: torch.Tensor, h: torch.Tensor, grid: Grid, act_order: bool = False, 
     """w [N, K] fp32 quantized on grid with H [K, K] (hessian())."""
     n, k = w.shape
     size = k if grid.group is None else grid.group
-    w = w.double().clone()
+    w = w.float().clone()
     h = h.double().clone()
     dead = h.diagonal() == 0  # inputs that are always zero: their weights do not matter
     h[dead, dead] = 1
     w[:, dead] = 0
     groups = k // size
-    scale = torch.zeros(n, groups, dtype=torch.float64)
-    zero = None if grid.symmetric else torch.zeros(n, groups, dtype=torch.float64)
+    scale = torch.zeros(n, groups)
+    zero = None if grid.symmetric else torch.zeros(n, groups)
     if act_order:  # static groups: every scale from the weights before any error feedback
-        static = rtn(w.float(), grid)
+        static = rtn(w, grid)
         scale.copy_(static.scale)
         if zero is not None:
             zero.copy_(static.zero)
@@ -55,8 +55,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, grid: Grid, act_order: bool = False, 
     else:
         perm = torch.arange(k)
     w, h = w[:, perm], h[perm][:, perm]
-    hinv = inverse_cholesky(h, damp)
-    q = torch.zeros(n, k, dtype=torch.float64)
+    hinv = inverse_cholesky(h, damp).float()
+    q = torch.zeros(n, k)
     block = max(size, BLOCK // size * size) if size < k else BLOCK
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
