@@ -129,6 +129,7 @@ def written(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the fixture quantizes three ways: 15 minutes did not suffice on 2 loaded cores
 def test_written_folder_serves_here_and_in_transformers_with_the_same_perplexity(written):
     from pagedserve import LLM, SamplingParams
 
@@ -142,6 +143,7 @@ def test_written_folder_serves_here_and_in_transformers_with_the_same_perplexity
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_gptq_and_awq_beat_round_to_nearest_at_the_same_grid(written):
     rtn_ppl = written["rtn"]["perplexity"]["after"]
     for method in ("gptq", "awq"):
