@@ -8,13 +8,13 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "pagedserve"
 
 # Lowest first. A module may import its own tier and the tiers below it, never one above.
 TIERS = [
-    {"config", "speculative_config", "sampling_params", "lora_request", "outputs"},
+    {"config", "corpus", "speculative_config", "sampling_params", "lora_request", "outputs"},
     {"model", "embedding"},
     {"engine", "distributed"},
     {"llm", "server"},
     {"cluster"},
     {"gateway"},
-    {"bench", "generate", "cli"},
+    {"bench", "generate", "quantize", "cli"},
 ]
 
 

@@ -27,12 +27,11 @@ SCHEMES = ("w4a16-gptq", "w4a16-rtn", "w8a16", "w8a8-int", "fp8-channel", "fp8-t
 
 
 def corpus_text() -> str:
-    """The repo's perplexity corpus (the stdlib's documentation, bench/workloads.py), loaded by path so that this
-    venv needs nothing of pagedserve's dependencies."""
-    path = Path(__file__).resolve().parents[2] / "src/pagedserve/bench/workloads.py"
-    spec = importlib.util.spec_from_file_location("workloads", path)
+    """The repo's perplexity corpus (the stdlib's documentation, src/pagedserve/corpus.py), loaded by path so that
+    this venv needs nothing of pagedserve's dependencies."""
+    path = Path(__file__).resolve().parents[2] / "src/pagedserve/corpus.py"
+    spec = importlib.util.spec_from_file_location("corpus", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["workloads"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.corpus_text()
 

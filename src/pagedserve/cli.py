@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     "pagedserve.cluster.cli",
     "pagedserve.gateway.cli",
     "pagedserve.bench.cli",
+    "pagedserve.quantize.cli",
 ]
 
 

@@ -2,15 +2,10 @@
 seed."""
 from __future__ import annotations
 
-import inspect
 import random
 from dataclasses import dataclass
 
-# English prose that ships with every Python: the standard library's module documentation.
-CORPUS_MODULES = ["argparse", "asyncio", "collections", "csv", "datetime", "decimal", "email", "functools",
-                  "http.client", "inspect", "itertools", "json", "logging", "os", "pathlib", "pickle", "random",
-                  "re", "sqlite3", "statistics", "string", "subprocess", "threading", "typing", "unittest",
-                  "urllib.request", "zipfile"]
+from pagedserve.corpus import CORPUS_MODULES, corpus_text  # noqa: F401 (the benchmarks' text, re-exported)
 
 
 @dataclass(slots=True)
@@ -21,20 +16,6 @@ class Job:
 
 def corpus_tokens(tokenizer) -> list[int]:
     return tokenizer.encode(corpus_text())
-
-
-def corpus_text() -> str:
-    """The same text in every process: submodules are left out, since a package gains them as attributes
-    as soon as anything imports them (`email.utils`, `json.decoder`), which would shift the text."""
-    import importlib
-
-    parts = []
-    for name in CORPUS_MODULES:
-        mod = importlib.import_module(name)
-        public = [a for a in sorted(dir(mod)) if not a.startswith("_") and not inspect.ismodule(getattr(mod, a))]
-        parts.append(inspect.getdoc(mod) or "")
-        parts += [inspect.getdoc(getattr(mod, a)) or "" for a in public[:40]]
-    return "\n\n".join(p for p in parts if p)
 
 
 def w1(tokens: list[int], num: int = 64, prompt_len: int = 128, output_len: int = 128) -> list[Job]:
