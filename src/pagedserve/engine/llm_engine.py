@@ -382,7 +382,7 @@ class LLMEngine:
         start = time.perf_counter()
         hidden = self.runner.execute(batch)
         if self.proposer is not None:
-            self._record_step_cost(sched.scheduled, time.perf_counter() - start)
+            self.proposer.record_step(sched.scheduled, time.perf_counter() - start)
         if batch.prompt_rows:
             self._score_prompts(batch, hidden)
         for req, n in sched.scheduled:
@@ -404,12 +404,6 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(reqs, self.scheduler.running, self.grammars.fill_mask)
         return failed + [self._output(g) for g in touched.values()]
-
-    def _record_step_cost(self, scheduled: list[tuple[Request, int]], seconds: float) -> None:
-        """A decode step's forward time, for the proposer's cost model; steps with prefill chunks are left out."""
-        if all(r.num_computed_tokens == r.num_tokens - 1 and n == 1 + len(r.spec_token_ids) for r, n in scheduled):
-            self.proposer.costs.record(sum(n for _, n in scheduled), seconds,
-                                       any(r.spec_token_ids for r, _ in scheduled))
 
     def _score_prompts(self, batch: BatchInputs, hidden: torch.Tensor) -> None:
         """Prompt logprobs of this step's prompt positions; a recomputed position (after preemption) is

@@ -56,11 +56,17 @@ class Proposer:
                  max_num_seqs: int) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.costs = StepCosts.new()  # the engine records its decode steps' forward times here
+        self.costs = StepCosts.new()  # decode steps' forward times (record_step) and proposing times
         if config.method == "draft_model":
             self.method = DraftModelProposer(config, dtype, block_size, vocab_size, max_num_seqs)
         else:
             self.method = NgramProposer(config) if config.method == "ngram" else SuffixProposer(config)
+
+    def record_step(self, scheduled: list[tuple[Request, int]], seconds: float) -> None:
+        """A step's forward time for the cost model, when it only decoded (and verified): prefill chunks say
+        nothing of what a decode step costs."""
+        if all(r.num_computed_tokens == r.num_tokens - 1 and n == 1 + len(r.spec_token_ids) for r, n in scheduled):
+            self.costs.record(sum(n for _, n in scheduled), seconds, any(r.spec_token_ids for r, _ in scheduled))
 
     def propose(self, reqs: list[Request], running: list[Request], grammar_mask: GrammarMaskOf) -> None:
         """Sets spec_token_ids of the running requests among reqs (just sampled, so all decoding); the finished
