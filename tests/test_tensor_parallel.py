@@ -319,7 +319,7 @@ def test_server_serves_run_time_adapters_over_tp2(adapters, tp1_lora, reference_
         server.stop()
 
 
-@pytest.mark.slow  # two more engines (12 s): make test keeps TP's int8-free core
+@pytest.mark.slow  # two more TP engines (12 s) beside the fast TP checks
 def test_tp2_int4_kv_follows_tp1(parallel_llm, reference_prompts):
     """int4 KV under TP=2 against TP=1. Not token for token: a last-bit fp32 difference in a block's keys can move
     a channel's 4-bit scale code, and greedy runs then part (TP=1 itself parts from TP=1 with chunked prefill on 3
