@@ -99,6 +99,32 @@ def test_logprobs(llm):
         assert len(entry) == 3 and all(lp.logprob <= 0 for lp in entry.values())
 
 
+def test_plain_greedy_takes_the_argmax_in_the_model_dtype(llm, monkeypatch):
+    """Greedy rows with nothing to constrain or report skip the fp32 copy of their [rows, vocab] logits (the
+    argmax of the model-dtype logits: the copy would hold the same values); a row asking for logprobs goes
+    through the fp32 sampler. Both pick the same tokens."""
+    runner = llm.engine.runner
+    real, upcasts = runner.compute_logits, []
+
+    def spy(hidden, upcast=True):
+        upcasts.append(upcast)
+        return real(hidden, upcast)
+
+    monkeypatch.setattr(runner, "compute_logits", spy)
+    prompts = [PROMPT, "Write a haiku about the sea.", "def fibonacci(n):", "Paris is the capital of"]
+
+    def tokens(**extra) -> list[list[int]]:
+        llm.engine.kv.reset_prefix_cache()  # the same prefill both times
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **extra))
+        return [o.outputs[0].token_ids for o in outs]
+
+    fast = tokens()
+    assert upcasts and not any(upcasts)
+    upcasts.clear()
+    assert tokens(logprobs=1) == fast
+    assert upcasts and all(upcasts)
+
+
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.engine
     engine.kv.reset_prefix_cache()

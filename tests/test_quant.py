@@ -2,13 +2,16 @@
 against references (the integer arithmetic re-done in PyTorch, and dequantize-then-matmul in fp32)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.quant import QuantizedWeight, from_gguf, quantize, turn
-from pagedserve.model.quant_linear import PATHS, quant_matmul, w8a8_available
+from pagedserve.model.quant_linear import PATHS, int8_mm_ready, quant_matmul, w8a8_available
+from pagedserve.model.token_quant import int8_linear
 
 gguf = pytest.importorskip("gguf")
 
@@ -279,6 +282,39 @@ def test_w8a8_kernel_matches_its_arithmetic(m, n, k, hadamard, with_residual):
     # the output's bf16 rounding, and a token value on a rounding boundary landing one step apart
     step = (x.float().abs().amax() / 127 * w.dequantize().abs().amax()).item()
     assert ((y.double() - ref).abs() <= ref.abs() / 128 + 2 * step).all()
+
+
+def checkpoint_w8a8_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """A compressed-tensors W8A8 linear in float64: tokens quantized with amax / 127.5 to [-128, 127] (round half
+    to even), integer dot products, scaled by the token's and the channel's scale."""
+    sx = x.float().abs().amax(dim=1, keepdim=True) / 127.5
+    xq = torch.round(x.float() / torch.where(sx > 0, sx, 1)).clamp(-128, 127)
+    return (xq.double() @ w.qweight.double().T) * sx.double() * w.scales.double().T
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 7, 64), (7, 33, 128), (64, 300, 576), (300, 45, 1536)])
+def test_checkpoint_w8a8_runs_as_an_integer_gemm(m, n, k):
+    """A checkpoint's per-channel W8A8 weight off the AMX tiles runs as one int8 GEMM (torch._int_mm): exact
+    integer sums, so within the bf16 rounding of the output of the float64 arithmetic; a zero token stays zero."""
+    torch.manual_seed(m + n + k)
+    w = replace(quantize(torch.randn(n, k), "int8"), per_token_int8=True)
+    assert int8_mm_ready(w)
+    x = torch.randn(m, k).bfloat16()
+    x[:, 5] *= 30
+    x = torch.cat([x, torch.zeros(1, k, dtype=x.dtype)])  # and a zero token
+    ref = checkpoint_w8a8_reference(x, w)
+    y = int8_linear(x, w.qweight, w.scales)
+    assert y.dtype == torch.bfloat16 and y.shape == (m + 1, n)
+    assert ((y.double() - ref).abs() <= ref.abs() / 256 + 1e-6).all()
+    assert (y[-1] == 0).all()
+    residual = torch.randn(m + 1, n).bfloat16()
+    if not HAS_W8A8:  # else the AMX kernel takes it (its own rounding: the test above)
+        for path in ("avx2", "avx512"):
+            if PATHS[path] in cpu_kernels().quant_paths():
+                assert torch.equal(quant_matmul(x, w, path), y)
+                assert torch.equal(quant_matmul(x, w, path, residual=residual), residual + y)
+    fake = quant_matmul(x, w, "torch").double()  # the float reference: x fake-quantized into bf16, then a GEMM
+    assert (fake - ref).norm() / ref.norm() < 4e-3
 
 
 @pytest.mark.skipif(not HAS_W8A8, reason="no AMX int8 tiles here")

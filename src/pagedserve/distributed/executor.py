@@ -216,9 +216,9 @@ class ParallelModelRunner(ModelRunner):
         self.workers.send("execute", replace(batch, sample_rows=[], sample_reqs=[], prompt_rows=[], lora=lora))
         return self._guarded(super().execute, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         self.workers.send("logits", hidden.clone())  # a view would pickle its whole base
-        return self._guarded(super().compute_logits, hidden)
+        return self._guarded(super().compute_logits, hidden, upcast)
 
     def copy_blocks(self, copies: list[tuple[int, int]], tails: list[tuple[int, int] | None] | None = None) -> None:
         tails = self.fork_tails(copies) if tails is None else tails

@@ -398,8 +398,12 @@ class LLMEngine:
                    lambda seqs, out: self._process(seqs, out, touched))
             roll_back(reqs, self.kv, self.spec_stats)
         else:
-            logits = self.runner.compute_logits(hidden[rows])
-            out = sample(logits, SamplingBatch.build(reqs, logits.shape[1], self.grammars.fill_mask(reqs)))
+            params = SamplingBatch.build(reqs, self.model_config.vocab_size, self.grammars.fill_mask(reqs))
+            if params.plain_greedy:  # argmax of the model-dtype logits: the fp32 copy would hold the same values
+                tokens = self.runner.compute_logits(hidden[rows], upcast=False).max(dim=-1).indices
+                out = SamplerOutput(tokens, None, None, None, None)
+            else:
+                out = sample(self.runner.compute_logits(hidden[rows]), params)
             self._process(reqs, out, touched)
         if self.proposer is not None:
             self.proposer.propose(reqs, self.scheduler.running, self.grammars.fill_mask)

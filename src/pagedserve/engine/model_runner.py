@@ -174,8 +174,8 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.block_size, batch.lora)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.model.compute_logits(hidden, upcast)
 
     def block_tensors(self, layer: LayerKVCache) -> list[tuple[torch.Tensor, int]]:
         """What a block holds in one layer, each with its rows per block: K and V, and their per-token scales

@@ -34,6 +34,12 @@ class SamplingBatch:
     max_logprobs: int | None  # largest number of alternatives asked for; None: no row wants logprobs
     grammar: GrammarMask | None = None  # tokens the constrained rows' grammars allow
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes its raw logits' argmax: nothing to constrain, draw or report."""
+        return (self.all_greedy and self.max_logprobs is None and self.bias is None and self.penalties is None
+                and not self.banned and self.grammar is None)
+
     @classmethod
     def build(cls, reqs: list[Request], vocab_size: int, grammar: GrammarMask | None = None) -> SamplingBatch:
         ps = [r.params for r in reqs]

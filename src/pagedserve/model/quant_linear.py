@@ -16,8 +16,9 @@ are quantized in a Hadamard basis (quant.py) and each token is turned into it an
 kernel; it reads the int8 weights as the tiles' operand, with nothing to dequantize.
 PAGEDSERVE_QUANT_W8A8=0 keeps int8 on the paths above (W8A16).
 
-A checkpoint's W8A8 weights (per_token_int8, model/checkpoints/) run on that kernel without the Hadamard basis,
-else their activations are quantized per token in PyTorch (token_quant.py) before the paths above.
+A checkpoint's W8A8 weights (per_token_int8, model/checkpoints/) run on that kernel without the Hadamard basis;
+elsewhere per-channel ones run as integer GEMMs (token_quant.int8_linear), and other groupings have their
+activations quantized per token in PyTorch before the paths above (`torch`: the float reference of both).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from torch import nn
 
 from pagedserve.model.kernels import cpu_kernels
 from pagedserve.model.quant import QuantizedWeight, turn
-from pagedserve.model.token_quant import quantize_tokens
+from pagedserve.model.token_quant import int8_linear, quantize_tokens
 
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}
 # Measured on 3072x576 and 576x1536 (one thread, AVX2): the integer kernel is ~2x faster than dequantize +
@@ -77,6 +78,11 @@ def w8a8_available() -> bool:
     kernels = cpu_kernels()
     return (os.environ.get("PAGEDSERVE_QUANT_W8A8", "1") != "0" and kernel_path() != "torch"
             and kernels is not None and kernels.quant_w8a8_available())
+
+
+def int8_mm_ready(w: QuantizedWeight) -> bool:
+    """A checkpoint's W8A8 weight the integer GEMM can run: symmetric int8 with one scale per output channel."""
+    return w.per_token_int8 and w.bits == 8 and w.mins is None and w.scales.shape[1] == 1
 
 
 def w8a8_basis(mode: str, dtype: torch.dtype) -> int:
@@ -128,6 +134,9 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_row
         if x.dtype == torch.bfloat16 and w8a8_available() and w.group == x.shape[1] and w.group % 64 == 0:
             return cpu_kernels().quant_linear_w8a8(x.contiguous(), w.qweight, w.scales, 0,
                                                    None if residual is None else residual.contiguous())
+        if path != "torch" and int8_mm_ready(w):
+            y = int8_linear(x, w.qweight, w.scales)
+            return y if residual is None else residual + y
         x = quantize_tokens(x)
     if path == "torch":
         y = F.linear(x, w.dequantize().to(x.dtype))

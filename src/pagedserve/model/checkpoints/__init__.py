@@ -7,7 +7,7 @@ from pagedserve.model.checkpoints.compressed_tensors import load_compressed_tens
 from pagedserve.model.checkpoints.gptq_awq import load_gptq_awq
 from pagedserve.model.fp8_linear import FP8Weight
 from pagedserve.model.quant import QuantizedWeight
-from pagedserve.model.quant_linear import gemm_path, kernel_path, w8a8_available
+from pagedserve.model.quant_linear import gemm_path, int8_mm_ready, kernel_path, w8a8_available
 
 SUPPORTED = ("compressed-tensors", "gptq", "awq")
 
@@ -35,6 +35,8 @@ def checkpoint_kernel(weights: dict[str, torch.Tensor | QuantizedWeight | FP8Wei
             paths.add(f"fp8-values-{'bf16' if dtype == torch.bfloat16 else 'fp32'}-gemm")
         elif isinstance(w, QuantizedWeight) and w.per_token_int8 and dtype == torch.bfloat16 and w8a8_available():
             paths.add("w8a8-amx")
+        elif isinstance(w, QuantizedWeight) and int8_mm_ready(w) and kernel_path() != "torch":
+            paths.add("int8-tokens+int8-mm")
         elif isinstance(w, QuantizedWeight):
             paths.add(("int8-tokens+" if w.per_token_int8 else "") + f"{kernel_path()}+{gemm_path()}")
     return ",".join(sorted(paths)) or "none"

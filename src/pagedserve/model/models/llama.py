@@ -195,8 +195,10 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, kv, ctx)
         return self.norm(x, self.kernels)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[rows, vocab] logits in fp32 for sampling, or in the model's dtype (upcast=False) for an argmax."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def load_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
         """Weights in HF naming; q/k/v and gate/up are fused into one matmul each. A QuantizedWeight
