@@ -276,6 +276,10 @@ def test_metrics_follow_vllm_names():
                  f'pagedserve_spec_decode_acceptance_length_bucket{{le="+Inf",{labels}}} 4.0',
                  f"pagedserve_spec_decode_acceptance_length_sum{{{labels}}} 9.0"]:
         assert line in text, line
+    per_pos = {int(line.split('position="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("pagedserve_spec_decode_num_accepted_tokens_per_pos_total")}
+    assert per_pos == {0: 3.0, 1: 2.0, 2: 2.0, 3: 2.0}  # drafts accepting 4, 0, 1, 4: prefixes of the draft
+    assert sum(per_pos.values()) == spec.num_accepted_tokens
 
 
 def test_suffix_proposals_follow_frequent_continuations_and_other_requests():

@@ -86,6 +86,14 @@ def spec_decode_metrics(s: Any, names: list[str], values: list[str]) -> Iterator
         c = CounterMetricFamily(f"pagedserve_spec_decode_{name}", doc, labels=labels)
         c.add_metric(labelled, value)
         yield c
+    # vLLM's num_accepted_tokens_per_pos: a draft is accepted as a prefix, so position p was accepted by every
+    # draft with more than p proposals accepted
+    c = CounterMetricFamily("pagedserve_spec_decode_num_accepted_tokens_per_pos",
+                            "proposed tokens accepted at each position of a draft (0: the first)",
+                            labels=[*labels, "position"])
+    for p in range(len(s.acceptance_lengths) - 1):
+        c.add_metric([*labelled, str(p)], sum(s.acceptance_lengths[p + 1:]))
+    yield c
     h = HistogramMetricFamily("pagedserve_spec_decode_acceptance_length", "proposals accepted per verified draft",
                               labels=labels)
     cumulative = [sum(s.acceptance_lengths[:a + 1]) for a in range(len(s.acceptance_lengths))]
