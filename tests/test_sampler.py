@@ -1,10 +1,12 @@
 """Sampler masks and penalties on synthetic logits (no model needed)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.engine.request import Request
-from pagedserve.engine.sampler import SamplingBatch, mask_top_k_top_p, sample, uniform_per_row
+from pagedserve.engine.sampler import SamplingBatch, greedy_tokens, mask_top_k_top_p, sample, uniform_per_row
+from pagedserve.model.kernels import cpu_kernels
 from pagedserve.sampling_params import SamplingParams
 
 V = 8
@@ -102,3 +104,24 @@ def test_logprobs_and_ranks():
 def test_mask_keeps_most_likely_even_with_tiny_top_p():
     masked = mask_top_k_top_p(torch.tensor([LOGITS]), torch.tensor([V]), torch.tensor([1e-6]))
     assert torch.isfinite(masked).sum() == 1 and torch.isfinite(masked[0, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 49152, 262_145])
+def test_greedy_tokens_are_torch_max_indices(dtype, vocab):
+    """The C++ argmax against torch.max: ties (the first index wins, in any lane and in the tail), a NaN (its
+    first index, as torch propagates it), all -inf rows, rows with a stride wider than the vocabulary."""
+    assert cpu_kernels() is not None
+    torch.manual_seed(vocab)
+    wide = (torch.randn(9, vocab + 3) * 4).to(dtype)
+    logits = wide[:, :vocab]  # rows 3 elements apart from their neighbours
+    logits[1] = logits[1].round()  # many ties in bf16 and fp32
+    logits[2, vocab // 2:] = logits[2].max() + 1  # a long run of the same maximum
+    logits[3] = float("-inf")
+    logits[4, vocab - 1] = float("nan")
+    logits[5, vocab // 3] = float("nan")
+    logits[5, vocab - 1] = float("nan")
+    logits[6, :] = 0.0
+    logits[7, vocab - 1] = logits[7].max() + 1  # the maximum in the scalar tail
+    assert torch.equal(greedy_tokens(logits), logits.max(dim=-1).indices)
+    assert torch.equal(greedy_tokens(logits.contiguous()), logits.max(dim=-1).indices)

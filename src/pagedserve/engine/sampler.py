@@ -13,6 +13,7 @@ import torch
 
 from pagedserve.engine.request import Request
 from pagedserve.engine.structured_output import GrammarMask, apply_mask, restore_dead_rows
+from pagedserve.model.kernels import cpu_kernels
 
 M32 = 0xFFFFFFFF
 
@@ -165,7 +166,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, check: Check | None = Non
     sampling's rejection rule (spec_decode/rejection.py), given the sampled rows' distributions and draws."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
     constrain(logits, batch)
-    greedy = logits.max(dim=-1).indices  # argmax's first index too, ~2.5x faster on CPU
+    greedy = greedy_tokens(logits)
     if batch.all_greedy:
         tokens = greedy
     else:
@@ -180,6 +181,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, check: Check | None = Non
 
 
 Check = Callable[[torch.Tensor, torch.Tensor, SamplingBatch], torch.Tensor]
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index of its largest value), fp32 or bf16 logits [S, V]."""
+    kernels = cpu_kernels()
+    if kernels is not None and logits.stride(-1) == 1:
+        return kernels.greedy_argmax(logits)
+    return logits.max(dim=-1).indices  # argmax's first index too, ~2.5x faster than argmax on CPU
 
 
 def constrain(logits: torch.Tensor, batch: SamplingBatch) -> None:

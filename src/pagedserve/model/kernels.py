@@ -24,7 +24,7 @@ STALE_LOCK_S = 30 * 60
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
                                       "quant_gemm.cpp", "quant_gemm_amx.cpp", "quant_gemm_w8a8.cpp",
-                                      "decode_stack.cpp", "token_bitmask.cpp",
+                                      "decode_stack.cpp", "token_bitmask.cpp", "argmax.cpp",
                                       "lora_sgmv.cpp")]
 HEADERS = [CSRC / "vec_math.h", CSRC / "kv_quant.h", CSRC / "decode_int4.h", CSRC / "quant_params.h", CSRC / "ops.h",
            CSRC / "amx_tiles.h"]

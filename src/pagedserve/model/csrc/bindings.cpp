@@ -35,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("hadamard"), py::arg("residual") = py::none());
   m.def("quant_dequantize", &quant_dequantize, "planar int8/int4 weights as a float matrix");
   m.def("lora_sgmv", &lora_sgmv, "y[rows] += x[rows] @ A^T @ B of each row's adapter slot (batched LoRA)");
+  m.def("greedy_argmax", &greedy_argmax, "first index of each row's largest value (or first NaN), fp32 or bf16");
   m.def("apply_token_bitmask", &apply_token_bitmask, "mask fp32 logits rows in place by packed grammar bitmasks");
   m.def("rope_and_cache", &rope_and_cache, "rotate q and k in place and write k, v into the paged caches");
   m.def("rope_and_cache_int4", &rope_and_cache_int4, "rotate q and k in place and write k, v into an int4 pool");

@@ -50,5 +50,6 @@ void lora_sgmv(torch::Tensor y, torch::Tensor x, torch::Tensor index, torch::Ten
                torch::Tensor a, torch::Tensor b);
 
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
+torch::Tensor greedy_argmax(torch::Tensor logits);
 
 void register_decode_stack(py::module& m);
