@@ -20,6 +20,7 @@ from pagedserve.model.quant import QuantizedWeight
 
 ROOT = Path(__file__).resolve().parents[1]
 QUANTIZED = Path(os.environ.get("PAGEDSERVE_QUANTIZED", ROOT / "build" / "quantized"))
+LLMC_PYTHON = Path(os.environ.get("PAGEDSERVE_LLMC_PYTHON", ROOT / "build" / "llmc-venv" / "bin" / "python"))
 SCHEMES = ("w4a16-gptq", "w4a16-rtn", "w8a16", "w8a8-int", "fp8-channel", "fp8-tensor")
 
 
@@ -96,8 +97,8 @@ def test_quantized_activations_follow_transformers_teacher_forced(checkpoints, s
     blocking) flips some token's int8 rounding, and this small model's greedy text sits on near ties, so paths part
     after a few tokens whatever the arithmetic (PAGEDSERVE_QUANT_KERNEL=torch parts too). Teacher-forced on
     transformers' own continuation, our argmax is its token at >= 80% of positions (measured: W8A8 42/48, FP8 with
-    activations left unquantized 45/48; our per-token int8 rule equals compressed-tensors' fake_quantize bit for bit
-    on 3-D activations, checked in its venv)."""
+    activations left unquantized 45/48; our per-token int8 rule equals compressed-tensors' bit for bit: the test
+    below)."""
     from pagedserve import SamplingParams
 
     ref = reference(checkpoints / scheme)
@@ -110,6 +111,43 @@ def test_quantized_activations_follow_transformers_teacher_forced(checkpoints, s
         agree += sum(out.prompt_logprobs[len(prompt) + j][t].rank == 1 for j, t in enumerate(greedy))
         total += len(greedy)
     assert agree >= 0.8 * total, (agree, total)
+
+
+# compressed-tensors' own dynamic per-token fake quantization, as transformers runs an int-quantized W8A8 folder.
+CT_FAKE_QUANTIZE = """
+import sys
+from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+from safetensors.torch import load_file, save_file
+x = load_file(sys.argv[1])["x"]
+args = preset_name_to_scheme("W8A8", ["Linear"]).input_activations
+scale, zero = compute_dynamic_scales_and_zp(x, args, module=None)
+save_file({"y": fake_quantize(x, scale, zero, args)}, sys.argv[2])
+"""
+
+
+def test_per_token_int8_equals_compressed_tensors_bit_for_bit(tmp_path):
+    """Our W8A8 activations (token_quant.py) against compressed-tensors' on 3-D activations [batch, tokens,
+    hidden], on what sits on rounding ties: each row's largest magnitude lands on +-127.5 steps by that rule (the
+    negative one rounds half to even to -128, the positive one clamps to 127), exact half steps, a zero row."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.model.token_quant import quantize_tokens
+
+    if not LLMC_PYTHON.exists():
+        pytest.skip(f"no transformers + compressed-tensors venv at {LLMC_PYTHON} (make quantized provisions it)")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 48, 576, generator=g) * torch.rand(576, generator=g).mul(4).add(0.1)
+    x[0, 0, 7], x[0, 1, 7] = -100.0, 100.0  # an outlier channel as each row's max, negative then positive
+    x[0, 2, 3], x[0, 2, 9] = -x[0, 2].abs().max(), x[0, 2].abs().max()  # both signs at the max
+    x[0, 3] = torch.arange(576) % 256 - 127.5  # scale 1: every value a half step
+    x[0, 4] = 0.0
+    save_file({"x": x.contiguous()}, str(tmp_path / "x.safetensors"))
+    subprocess.run([str(LLMC_PYTHON), "-c", CT_FAKE_QUANTIZE, str(tmp_path / "x.safetensors"),
+                    str(tmp_path / "y.safetensors")], check=True)
+    expected = load_file(str(tmp_path / "y.safetensors"))["y"]
+    assert torch.equal(quantize_tokens(x.flatten(0, 1)).view_as(x), expected)
 
 
 def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
