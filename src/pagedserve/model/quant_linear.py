@@ -125,6 +125,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_row
     """x [M, K] @ W^T (+ residual) in x's dtype."""
     if w.input_perm is not None and path != "torch":  # GPTQ's activation order: the kernels read the columns as
         x = x.index_select(-1, w.input_perm)           # stored (dequantize() gives them in the input's order)
+    few_rows = few_rows_limit(x.dtype) if dequant_min_rows is None else dequant_min_rows
     if w.hadamard:
         if x.dtype == torch.bfloat16 and w8a8_available():
             return cpu_kernels().quant_linear_w8a8(x.contiguous(), w.qweight, w.scales, w.hadamard,
@@ -134,13 +135,13 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, path: str, dequant_min_row
         if x.dtype == torch.bfloat16 and w8a8_available() and w.group == x.shape[1] and w.group % 64 == 0:
             return cpu_kernels().quant_linear_w8a8(x.contiguous(), w.qweight, w.scales, 0,
                                                    None if residual is None else residual.contiguous())
-        if path != "torch" and int8_mm_ready(w):
-            y = int8_linear(x, w.qweight, w.scales)
+        if path != "torch" and int8_mm_ready(w) and x.shape[0] >= few_rows:  # fewer: the integer kernel reads
+            y = int8_linear(x, w.qweight, w.scales)                            # the weights faster (measured)
             return y if residual is None else residual + y
         x = quantize_tokens(x)
     if path == "torch":
         y = F.linear(x, w.dequantize().to(x.dtype))
-    elif x.shape[0] >= (few_rows_limit(x.dtype) if dequant_min_rows is None else dequant_min_rows):
+    elif x.shape[0] >= few_rows:
         if x.dtype == torch.bfloat16 and gemm_path() == "amx" and (x.shape[0] <= AMX_MAX_ROWS or _forced("amx")):
             return cpu_kernels().quant_linear_amx(x, w.qweight, w.scales, w.mins, w.bits, w.group,
                                                   None if residual is None else residual.contiguous())
