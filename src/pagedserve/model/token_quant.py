@@ -13,23 +13,22 @@ from __future__ import annotations
 import torch
 
 
-def quantize_tokens_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] as int8 rows q [M, K] and their fp32 scales [M, 1] (0 for an all-zero row)."""
+def _levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as its int8 levels (in fp32) and their fp32 scales [M, 1] (0 for an all-zero row)."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True) / 127.5
-    q = torch.round(xf / torch.where(scale > 0, scale, 1.0)).clamp_(-128, 127)
-    return q.to(torch.int8), scale
+    return torch.round(xf / torch.where(scale > 0, scale, 1.0)).clamp_(-128, 127), scale
 
 
 def quantize_tokens(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] with each row replaced by its int8 quantization (dequantized, in x's dtype)."""
-    q, scale = quantize_tokens_int8(x)
-    return (q.float() * scale).to(x.dtype)
+    q, scale = _levels(x)
+    return (q * scale).to(x.dtype)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T in x's dtype, for W = scales * qweight (int8 [N, K], one fp32 scale per row [N, 1]) and x
     quantized per token."""
-    q, scale = quantize_tokens_int8(x)
-    acc = torch._int_mm(q, qweight.t())
+    q, scale = _levels(x)
+    acc = torch._int_mm(q.to(torch.int8), qweight.t())
     return (acc.float() * scale * scales.view(1, -1)).to(x.dtype)
