@@ -125,3 +125,8 @@ def test_greedy_tokens_are_torch_max_indices(dtype, vocab):
     logits[7, vocab - 1] = logits[7].max() + 1  # the maximum in the scalar tail
     assert torch.equal(greedy_tokens(logits), logits.max(dim=-1).indices)
     assert torch.equal(greedy_tokens(logits.contiguous()), logits.max(dim=-1).indices)
+
+
+def test_greedy_tokens_of_other_dtypes_fall_back_to_torch():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 3.0, 0.0]], dtype=torch.float16)
+    assert greedy_tokens(logits).tolist() == [1, 0]

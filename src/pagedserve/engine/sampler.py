@@ -186,7 +186,7 @@ Check = Callable[[torch.Tensor, torch.Tensor, SamplingBatch], torch.Tensor]
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first index of its largest value), fp32 or bf16 logits [S, V]."""
     kernels = cpu_kernels()
-    if kernels is not None and logits.stride(-1) == 1:
+    if kernels is not None and logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1:
         return kernels.greedy_argmax(logits)
     return logits.max(dim=-1).indices  # argmax's first index too, ~2.5x faster than argmax on CPU
 
