@@ -162,9 +162,9 @@ def greedy_run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREE
     runner = llm.engine.runner
     compute = runner.compute_logits
 
-    def spy(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute(hidden)
-        seen.append(logits.clone())
+    def spy(hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = compute(hidden, upcast)  # greedy steps ask for the model's dtype
+        seen.append(logits.float().clone())
         return logits
 
     runner.compute_logits = spy
