@@ -22,7 +22,7 @@ from pagedserve.engine.lora_manager import LoRAManager
 from pagedserve.engine.model_runner import BatchInputs, ModelRunner
 from pagedserve.engine.request import Request, RequestStatus, takes_output_from_elsewhere
 from pagedserve.engine.request_group import Pending, RequestGroup
-from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, greedy_tokens, sample, score_tokens
+from pagedserve.engine.sampler import SamplerOutput, SamplingBatch, sample_hidden, score_tokens
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.spec_decode.proposer import Proposer
 from pagedserve.engine.spec_decode.stats import SpecDecodeStats
@@ -399,12 +399,7 @@ class LLMEngine:
             roll_back(reqs, self.kv, self.spec_stats)
         else:
             params = SamplingBatch.build(reqs, self.model_config.vocab_size, self.grammars.fill_mask(reqs))
-            if params.plain_greedy:  # argmax of the model-dtype logits: the fp32 copy would hold the same values
-                tokens = greedy_tokens(self.runner.compute_logits(hidden[rows], upcast=False))
-                out = SamplerOutput(tokens, None, None, None, None)
-            else:
-                out = sample(self.runner.compute_logits(hidden[rows]), params)
-            self._process(reqs, out, touched)
+            self._process(reqs, sample_hidden(hidden[rows], self.runner.compute_logits, params), touched)
         if self.proposer is not None:
             self.proposer.propose(reqs, self.scheduler.running, self.grammars.fill_mask)
         return failed + [self._output(g) for g in touched.values()]

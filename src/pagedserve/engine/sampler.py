@@ -183,6 +183,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, check: Check | None = Non
 Check = Callable[[torch.Tensor, torch.Tensor, SamplingBatch], torch.Tensor]
 
 
+def sample_hidden(hidden: torch.Tensor, logits_of: Callable[..., torch.Tensor], batch: SamplingBatch) -> SamplerOutput:
+    """The next tokens of the rows whose last hidden states these are. A plain greedy batch takes the argmax of the
+    model-dtype logits (logits_of(hidden, upcast=False)): their fp32 copy would hold the same values."""
+    if batch.plain_greedy:
+        return SamplerOutput(greedy_tokens(logits_of(hidden, upcast=False)), None, None, None, None)
+    return sample(logits_of(hidden), batch)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first index of its largest value), fp32 or bf16 logits [S, V]."""
     kernels = cpu_kernels()
