@@ -82,7 +82,10 @@ def test_burst_of_mixed_priorities_sheds_honestly_and_serves_critical(burst_serv
         served[cls] += 1
     assert served["critical"] == 6, (served, refused)
     assert refused["sheddable"] > 0, (served, refused)  # 3x the queue bound was offered
-    assert refused["sheddable"] >= refused["standard"], (served, refused)
+    # No count of standard against sheddable refusals here: which class a burst turns away more of depends
+    # on arrival order (degraded sheddable requests are cheaper, standard ones hold the queue longer), and
+    # a CI run once refused 7 standard to 6 sheddable. The door's class order at one queue state is what
+    # the design promises; test_admission.py pins it with a fake clock.
 
     text = httpx.get(f"{burst_server}/metrics").text
     assert 'pagedserve_admission_rejected_total{priority_class="sheddable",reason="overloaded"}' in text
