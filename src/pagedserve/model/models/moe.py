@@ -8,7 +8,8 @@ wants 16-byte aligned rows, so the experts' weights are zero-padded once at load
 With --quantization int8 / int4 the experts are quantized like the dense projections (the router stays float: a
 flipped routing decision costs more than any rounding) and each expert that got rows runs its two quantized GEMMs
 over them (the integer kernel for a decode step's few rows reads each chosen expert's weights once); experts no
-token chose are skipped.
+token chose are skipped. A GGUF's experts (llama.cpp's `ffn_*_exps` stacks, split per expert at load) run the
+same way as stored under --quantization gguf, in the types the kernels take, and dequantized otherwise.
 Each sparse layer counts the tokens routed to each expert (for /metrics: load balance).
 """
 from __future__ import annotations
@@ -20,8 +21,15 @@ from torch import nn
 from pagedserve.model.layers import StepContext
 from pagedserve.model.linear import Linear
 from pagedserve.model.model_config import ModelConfig
-from pagedserve.model.models.llama import ACTIVATIONS, MLP, Attention, DecoderLayer, LlamaForCausalLM
-from pagedserve.model.models.qwen3 import Qwen3Attention
+from pagedserve.model.models.llama import (
+    ACTIVATIONS,
+    GGUF_LAYER_NAMES,
+    MLP,
+    Attention,
+    DecoderLayer,
+    LlamaForCausalLM,
+)
+from pagedserve.model.models.qwen3 import GGUF_QWEN3_LAYER_NAMES, Qwen3Attention
 from pagedserve.model.quant import QuantizedWeight, quantize
 from pagedserve.model.quant_linear import kernel_path, quant_matmul
 
@@ -86,20 +94,34 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0), requires_grad=False)
 
-    def load_experts(self, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
-        """Per expert, HF layouts: gate and up [inter, hidden], down [hidden, inter]."""
+    def load_experts(self, gate: list, up: list, down: list) -> None:
+        """Per expert, HF layouts: gate and up [inter, hidden], down [hidden, inter]; float tensors, or
+        QuantizedWeights of one format (a GGUF's experts as stored), which run as quantized experts."""
         h, i, pi = self.hidden, self.inter, padded(self.inter)
+        if all(isinstance(w, QuantizedWeight) for w in (*gate, *up, *down)):
+            self._check_shapes(gate, up, down)
+            self.quantized = [(QuantizedWeight.cat([g, u]), d) for g, u, d in zip(gate, up, down, strict=True)]
+            self.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(0), requires_grad=False)
+            return
+        gate, up, down = ([w.dequantize() if isinstance(w, QuantizedWeight) else w for w in ws] for ws in (gate, up, down))
+        self._check_shapes(gate, up, down)
         with torch.no_grad():
             self.w13.zero_()
             self.w2.zero_()
             for e, (g, u, d) in enumerate(zip(gate, up, down, strict=True)):
-                for name, w, shape in (("gate", g, (i, h)), ("up", u, (i, h)), ("down", d, (h, i))):
-                    if tuple(w.shape) != shape:
-                        raise ValueError(f"layer {self.layer_index} expert {e} {name} has shape {tuple(w.shape)}, "
-                                         f"expected {shape}")
                 self.w13[e, :h, :i] = g.T
                 self.w13[e, :h, pi:pi + i] = u.T
                 self.w2[e, :i, :h] = d.T
+
+
+    def _check_shapes(self, gate: list, up: list, down: list) -> None:
+        h, i = self.hidden, self.inter
+        for e, (g, u, d) in enumerate(zip(gate, up, down, strict=True)):
+            for name, w, shape in (("gate", g, (i, h)), ("up", u, (i, h)), ("down", d, (h, i))):
+                if tuple(w.shape) != shape:
+                    raise ValueError(f"layer {self.layer_index} expert {e} {name} has shape {tuple(w.shape)}, "
+                                     f"expected {shape}")
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -130,7 +152,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         parts = [[_pop(weights, f"{p}{self.block}.experts.{e}.{n}.weight") for e in range(moe.num_experts)]
                  for n in names]
         moe.load_experts(*parts)
-        weights[f"{p}mlp.gate.weight"] = _pop(weights, f"{p}{self.block}.gate.weight")
+        router = _pop(weights, f"{p}{self.block}.gate.weight")  # stays float: see quantize_linears
+        weights[f"{p}mlp.gate.weight"] = router.dequantize() if isinstance(router, QuantizedWeight) else router
 
     def quantize_linears(self, mode: str, group: int = 32, hadamard: int = 0) -> None:
         """The dense projections and the head as LlamaForCausalLM quantizes them, the experts in their layout, and
@@ -147,18 +170,25 @@ class MoEForCausalLM(LlamaForCausalLM):
         return torch.stack([layer.mlp.tokens_per_expert for layer in self.layers if isinstance(layer.mlp, SparseMoE)])
 
 
-def _pop(weights: dict[str, torch.Tensor | QuantizedWeight], name: str) -> torch.Tensor:
+def _pop(weights: dict[str, torch.Tensor | QuantizedWeight], name: str) -> torch.Tensor | QuantizedWeight:
     if name not in weights:
         raise ValueError(f"model file lacks {name!r}")
-    w = weights.pop(name)
-    return w.dequantize() if isinstance(w, QuantizedWeight) else w
+    return weights.pop(name)
+
+
+def gguf_expert_names(layer_names: dict[str, str], block: str, names: tuple[str, str, str]) -> dict[str, str]:
+    """llama.cpp's names of a sparse layer's router and expert stacks -> HF names ({e}: the expert)."""
+    return {**layer_names, "ffn_gate_inp": f"{block}.gate",
+            **{f"ffn_{part}_exps": f"{block}.experts.{{e}}.{n}" for part, n in zip(("gate", "up", "down"), names)}}
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
+    gguf_layer_names = gguf_expert_names(GGUF_QWEN3_LAYER_NAMES, MoEForCausalLM.block, MoEForCausalLM.expert_names)
 
 
 class MixtralForCausalLM(MoEForCausalLM):
     layer_cls = MixtralDecoderLayer
     expert_names = ("w1", "w3", "w2")
     block = "block_sparse_moe"
+    gguf_layer_names = gguf_expert_names(GGUF_LAYER_NAMES, block, expert_names)

@@ -9,7 +9,9 @@ import torch
 
 from pagedserve.model.layers import RMSNorm, StepContext
 from pagedserve.model.model_config import ModelConfig
-from pagedserve.model.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+from pagedserve.model.models.llama import GGUF_LAYER_NAMES, Attention, DecoderLayer, LlamaForCausalLM
+
+GGUF_QWEN3_LAYER_NAMES = {**GGUF_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
 class Qwen3Attention(Attention):
@@ -33,4 +35,5 @@ class Qwen3DecoderLayer(DecoderLayer):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3DecoderLayer
+    gguf_layer_names = GGUF_QWEN3_LAYER_NAMES
     runs_decode_stack = False
