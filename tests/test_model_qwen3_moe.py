@@ -4,6 +4,7 @@ fp32 across chunked prefill, prefix hits, preemption and mixed batches; expert l
 /metrics; every other feature checked or refused by name."""
 from __future__ import annotations
 
+import copy
 import statistics
 
 import pytest
@@ -156,11 +157,65 @@ def test_expert_load_is_counted_and_exported(family_model):
 def test_moe_refuses_what_it_cannot_do(family_model):
     kind, folder, _, _, _ = family_model
     if kind == "qwen3":
-        pytest.skip("dense: LoRA and int8 weights are checked in tests/test_model_gemma3.py and test_lora.py")
-    with pytest.raises(ValueError, match=f"LoRA adapters are not supported for {kind} models"):
-        LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", enable_lora=True)
+        pytest.skip("dense: int8 weights are checked in tests/test_model_gemma3.py")
     with pytest.raises(ValueError, match="needs K divisible by 32"):  # these odd sizes: int8 refused by name
         LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", quantization="int8")
+
+
+def test_lora_on_attention_and_dense_layers_matches_peft(family_model, tmp_path):
+    """peft adapters on every family (the MLP too on dense Qwen3): greedy tokens equal peft's own in fp32, two
+    adapters in one batch. An adapter on the experts (peft's target_parameters on the fused expert stacks) is
+    refused, saying so."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve import LoRARequest
+    from tests.lora_support import write_adapter
+
+    kind, folder, _, prompts, _ = family_model
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # peft turns gate/up/down targets on a mixture of experts into adapters on its experts (refused below), even
+    # on its dense layers: the MoE families' adapters here are on the attention projections.
+    mlp = "|mlp\\.(gate|up|down)_proj" if kind == "qwen3" else ""
+    targets = {"attn": (8, r".*self_attn\.(q|k|v|o)_proj"), "mixed": (4, rf".*(self_attn\.(q|v)_proj{mlp})")}
+    requests, reference = [], []
+    for i, (name, (rank, target)) in enumerate(targets.items()):
+        torch.manual_seed(50 + i)
+        peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target,
+                                                               init_lora_weights=False)).eval()
+        with torch.no_grad():  # a fine-tune's size of delta, not nn.Linear's init
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(0.25)
+        peft.save_pretrained(tmp_path / name)
+        requests.append(LoRARequest(name, i + 1, str(tmp_path / name)))
+        reference.append([hf_greedy(peft, p, NUM_TOKENS) for p in prompts])
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", enable_lora=True, max_loras=2)
+    mixed = [requests[i % 2] for i in range(len(prompts))]  # both adapters in one batch
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=mixed)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[i % 2][i] for i in range(len(prompts))]
+    assert reference[0] != reference[1]  # the adapters change the output
+    if kind == "qwen3":
+        return
+    torch.manual_seed(60)
+    experts = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=[], init_lora_weights=False,
+                                                             target_parameters=["gate_up_proj", "down_proj"]))
+    experts.save_pretrained(tmp_path / "experts")
+    with pytest.raises(ValueError, match="experts"):
+        llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("experts", 3, str(tmp_path / "experts")))
+    # Hand-written: per-expert modules (older peft's names), and a gate_proj on a layer that has only experts.
+    cfg, sparse = llm.engine.model_config, 1
+    h, i, r = cfg.hidden_size, cfg.moe_intermediate_size, 4
+    per_expert = {f"base_model.model.model.layers.{sparse}.mlp.experts.0.gate_proj.lora_{x}.weight": t
+                  for x, t in (("A", torch.zeros(r, h)), ("B", torch.zeros(i, r)))}
+    on_sparse = {f"base_model.model.model.layers.{sparse}.mlp.gate_proj.lora_{x}.weight": t
+                 for x, t in (("A", torch.zeros(r, h)), ("B", torch.zeros(cfg.intermediate_size, r)))}
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": ["gate_proj"]}
+    for n, (tensors, message) in enumerate(((per_expert, "adapts a mixture of experts' experts"),
+                                            (on_sparse, f"layer {sparse} is a mixture of experts"))):
+        folder = write_adapter(tmp_path / f"hand{n}", config, tensors)
+        with pytest.raises(ValueError, match=message):
+            llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest(f"hand{n}", 4 + n, str(folder)))
 
 
 # Sizes the int8 / int4 kernels take (K a multiple of 32 in every projection, the experts' too).

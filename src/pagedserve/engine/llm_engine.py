@@ -34,7 +34,7 @@ from pagedserve.model.checkpoints import checkpoint_kernel
 from pagedserve.model.kv_cache_dtype import resolve_kv_format
 from pagedserve.model.loader import is_gguf, load_model
 from pagedserve.model.lora import LoRAAdapter
-from pagedserve.model.models import FAMILIES, family
+from pagedserve.model.models import family
 from pagedserve.model.quant import QUANTIZATIONS
 from pagedserve.model.quant_linear import (
     quant_kernel,
@@ -98,7 +98,6 @@ class LLMEngine:
         self.model_name = loaded.config.name
         self.eos_token_ids = loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
         self.family = family(loaded.config.family)
-        self._check_features(config)
         model = self.family.model_class()(loaded.config, loaded.weights.pop("rope_freqs", None))
         checkpoint = {"quantization": loaded.checkpoint_scheme, "quant_kernel": checkpoint_kernel(loaded.weights, self.dtype)}
         model.load_weights(loaded.weights)
@@ -160,14 +159,6 @@ class LLMEngine:
                     "tokens in %s (%d tokens), max_model_len %d", self.model_name, self.dtype, self.weights_info["quantization"],
                     self.weight_bytes / 1e6, time.perf_counter() - t0, num_blocks, config.block_size,
                     self.kv_format.name, num_blocks * config.block_size, self.max_model_len)
-
-    def _check_features(self, config: EngineConfig) -> None:
-        """Refuses, naming it, what this model's family cannot do yet."""
-        f = self.family
-        if config.enable_lora and not f.lora:
-            raise ValueError(f"LoRA adapters are not supported for {f.name} models yet (mixture-of-experts layers "
-                             "have no adapter slots); supported families: "
-                             f"{', '.join(x.name for x in FAMILIES if x.lora)}")
 
     def _one_request_tokens(self, num_blocks: int, groups: list[KVCacheGroup]) -> int:
         """The longest sequence the pool holds alone: every full group holds all its blocks, each sliding group

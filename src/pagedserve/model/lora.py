@@ -33,6 +33,7 @@ TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # where each sits in a decoder layer
+EXPERTS = re.compile(r"\.experts\.")  # peft's names for adapters on experts (per expert, or the fused stacks)
 KEY = re.compile(r"layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 MAX_KEY_CHARS = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -102,6 +103,7 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, int_id: int, 
         except Exception as exc:  # noqa: BLE001 - hostile bytes raise SafetensorError, TypeError, ...: all a 400
             raise ValueError(f"cannot read adapter_model.safetensors: not a safetensors file ({exc})") from None
         parts = _collect(tensors, config.num_hidden_layers)
+        _refuse_experts(parts, config)
         layers = _layers(parts, cfg, shapes, dtype)
     except ValueError as exc:
         raise ValueError(f"adapter '{name}': {exc}") from None
@@ -146,6 +148,9 @@ def _collect(tensors: dict[str, torch.Tensor], num_layers: int) -> list[dict[str
     found: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(num_layers)]
     for key, t in tensors.items():
         m = KEY.search(key) if len(key) <= MAX_KEY_CHARS else None
+        if m is None and EXPERTS.search(key[:MAX_KEY_CHARS]):
+            raise ValueError(f"{key[:MAX_KEY_CHARS]!r} adapts a mixture of experts' experts: not supported yet (adapters "
+                             f"on the attention projections, and on dense layers' MLPs, are)")
         if m is None:
             raise ValueError(f"unsupported tensor {key[:MAX_KEY_CHARS]!r} (only lora_A / lora_B of "
                              f"{', '.join(TARGETS)} are)")
@@ -162,6 +167,16 @@ def _collect(tensors: dict[str, torch.Tensor], num_layers: int) -> list[dict[str
                 raise ValueError(f"layer {layer} {module} lacks its lora_{({'A', 'B'} - set(ab)).pop()}")
         out.append({module: (ab["A"], ab["B"]) for module, ab in modules.items()})
     return out
+
+
+def _refuse_experts(parts: list[dict[str, tuple[torch.Tensor, ...]]], config: ModelConfig) -> None:
+    """A sparse layer has no gate/up/down projection of its own: an adapter naming one there was made for
+    another model, and our experts take no adapter (it would be silently left out)."""
+    for layer, modules in enumerate(parts):
+        mlp = sorted(m for m in modules if BLOCK[m] == "mlp")
+        if mlp and config.is_sparse_layer(layer):
+            raise ValueError(f"layer {layer} is a mixture of experts, with no {', '.join(mlp)} of its own to adapt "
+                             f"(adapters on its experts are not supported yet)")
 
 
 def _layers(parts: list[dict[str, tuple[torch.Tensor, ...]]], cfg: AdapterConfig, shapes: dict[str, tuple[int, int]],

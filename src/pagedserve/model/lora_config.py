@@ -29,7 +29,7 @@ PATTERN_MAX_MEM = 256 * 1024  # RE2's compile budget per pattern: ~5 ms at worst
 UNSUPPORTED = {
     "use_dora": "DoRA", "lora_bias": "a trained bias on lora_B", "fan_in_fan_out": "fan_in_fan_out (Conv1D weights)",
     "modules_to_save": "modules_to_save (full copies of modules)", "layer_replication": "layer_replication",
-    "trainable_token_indices": "trainable tokens", "target_parameters": "LoRA on parameters (target_parameters)",
+    "trainable_token_indices": "trainable tokens", "target_parameters": "LoRA on parameters (target_parameters: peft's adapters on a mixture of experts' experts)",
     "alora_invocation_tokens": "activated LoRA", "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
     "kasa_config": "KaSA", "monteclora_config": "MonteCLoRA", "arrow_config": "Arrow routing",
 }

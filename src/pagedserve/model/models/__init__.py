@@ -1,5 +1,5 @@
 """The model registry: one module per family, chosen from config.json's `architectures` / `model_type` or a
-GGUF's `general.architecture`. What each family cannot do yet is said here, so that the engine refuses it by name.
+GGUF's `general.architecture`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ class ModelFamily:
     hf_architectures: tuple[str, ...]
     model_types: tuple[str, ...]  # config.json's model_type
     gguf_architectures: tuple[str, ...] = ()
-    lora: bool = True  # PEFT adapters on its projections
     moe: bool = False  # routed experts: a GGUF of a shared architecture name (llama) with experts is this family
 
     def model_class(self) -> type[nn.Module]:
@@ -30,11 +29,10 @@ FAMILIES = (
                 ("llama", "mistral", "qwen2")),
     ModelFamily("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
     ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
-    # Adapters would need one per expert. llama.cpp writes Mixtral as `llama` with an expert count.
+    # llama.cpp writes Mixtral as `llama` with an expert count.
     ModelFamily("qwen3_moe", "moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",),
-                lora=False, moe=True),
-    ModelFamily("mixtral", "moe", "MixtralForCausalLM", ("MixtralForCausalLM",), ("mixtral",), ("llama",),
-                lora=False, moe=True),
+                moe=True),
+    ModelFamily("mixtral", "moe", "MixtralForCausalLM", ("MixtralForCausalLM",), ("mixtral",), ("llama",), moe=True),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
