@@ -38,12 +38,12 @@ MODELS = {
 def tiny_gemma(seed: int, shape: dict):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(vocab_size=EOS + 1, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                              bos_token_id=None, eos_token_id=EOS, pad_token_id=None, tie_word_embeddings=False,
-                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-                              **shape)
+    config = Gemma3TextConfig(**{
+        "vocab_size": EOS + 1, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": None,
+        "eos_token_id": EOS, "pad_token_id": None, "tie_word_embeddings": False,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **shape})
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(config)
     with torch.no_grad():  # norms store w of (1 + w); small embeddings, as sqrt(hidden) scales them up

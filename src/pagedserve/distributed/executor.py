@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a worker's start: spawn, imports, the model's transfer and split
 COLLECTIVE_TIMEOUT_S = 300.0  # the longest one collective may wait for a rank that is alive but stuck
-SUPPORTED_FAMILIES = ("llama",)
+SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma3")
 
 
 # Each rank holds its own KV heads' share of every block, and the transfer format is one process's whole blocks.

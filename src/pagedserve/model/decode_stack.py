@@ -32,6 +32,10 @@ def build_decode_stack(model: Any, stack_cls: str = "DecodeStack") -> Any | None
     kernels, config = model.kernels, model.config
     if kernels is None or kernel_path() not in PATHS or config.head_dim not in KERNEL_HEAD_DIMS:
         return None
+    o_proj = model.layers[0].self_attn.o_proj
+    parallel = getattr(o_proj, "sums_partials", False)  # a tensor-parallel rank: the all-reduces run between halves
+    if parallel and not hasattr(getattr(kernels, stack_cls), "set_all_reduce"):
+        return None  # a stack without the collectives (Gemma's): the Python layers reduce
     linears = [(layer.self_attn.qkv_proj, unreduced(layer.self_attn.o_proj), layer.mlp.gate_up_proj,
                 unreduced(layer.mlp.down_proj)) for layer in model.layers]
     if not all(isinstance(m, QuantLinear) and m.bias is None and not m.qweight.per_token_int8
@@ -47,8 +51,7 @@ def build_decode_stack(model: Any, stack_cls: str = "DecodeStack") -> Any | None
         stack.add_layer(*layer.stack_norms(), [w.qweight for w in weights], [w.scales for w in weights],
                         [w.mins for w in weights], [w.bits for w in weights], [w.group for w in weights],
                         [w.hadamard for w in weights])
-    o_proj = model.layers[0].self_attn.o_proj
-    if getattr(o_proj, "sums_partials", False):  # a tensor-parallel rank: the all-reduces run between the halves
+    if parallel:
         stack.set_all_reduce(o_proj.comm.all_reduce)
     return stack
 

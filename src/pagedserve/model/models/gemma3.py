@@ -31,7 +31,7 @@ from pagedserve.model.layers import RotaryEmbedding, StepContext, rotate
 from pagedserve.model.linear import can_pack, pack_linears
 from pagedserve.model.lora import LoRABatch
 from pagedserve.model.model_config import ModelConfig
-from pagedserve.model.models.llama import GGUF_LAYER_NAMES, MLP, Attention, LlamaForCausalLM
+from pagedserve.model.models.llama import GGUF_LAYER_NAMES, MLP, Attention, LlamaForCausalLM, project_out
 from pagedserve.model.quant import QuantizedWeight
 from pagedserve.model.sliding_window import HybridMetadata, WindowMetadata, window_attention
 
@@ -85,10 +85,7 @@ class Gemma3Attention(Attention):
             o = window_attention(q, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels).flatten(1)
         else:
             o = paged_attention(q, k, v, kv, ctx.meta, ctx.block_size, self.scale, ctx.kernels).flatten(1)
-        out = self.o_proj(o)
-        if ctx.lora is not None:
-            ctx.lora.add(out, o, self.layer_index, "o_proj")
-        return out
+        return project_out(self.o_proj, o, None, ctx, self.layer_index, "o_proj")
 
 
 class Gemma3DecoderLayer(nn.Module):
