@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a worker's start: spawn, imports, the model's transfer and split
 COLLECTIVE_TIMEOUT_S = 300.0  # the longest one collective may wait for a rank that is alive but stuck
-SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma3")
 
 
 # Each rank holds its own KV heads' share of every block, and the transfer format is one process's whole blocks.
@@ -47,13 +46,10 @@ NO_KV_TRANSFER = ("disaggregated serving (--kv-role) is not supported with --ten
                   "import one's; run disaggregated workers with --tensor-parallel-size 1")
 
 
-def check_parallel(config: EngineConfig, family: str) -> None:
-    """Refuses, naming it, what tensor parallelism cannot run yet."""
+def check_parallel(config: EngineConfig) -> None:
+    """Refuses, naming it, what tensor parallelism cannot run."""
     if config.tensor_parallel_size < 1:
         raise ValueError("--tensor-parallel-size must be at least 1")
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"--tensor-parallel-size > 1 is not supported for {family} models yet; supported families: "
-                         f"{', '.join(SUPPORTED_FAMILIES)}")
 
 
 class Workers:
@@ -61,7 +57,6 @@ class Workers:
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module) -> None:
         world = config.tensor_parallel_size
-        check_parallel(config, model.config.family)
         self.shard = plan_shard(model.config, 0, world)  # refuses a shape that does not split before any spawn
         cores = rank_cores(config.cpu_binding, world)
         threads = None if cores else max(1, (config.num_threads or torch.get_num_threads()) // world)

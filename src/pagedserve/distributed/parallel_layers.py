@@ -1,4 +1,5 @@
-"""The layers of a rank's part of the model, and shard_llama, which cuts a loaded model down to one rank's part.
+"""The layers of a rank's part of the model, and shard_llama, which cuts a loaded model (any family's layers: Llama's
+projections, and a mixture of experts' experts) down to one rank's part.
 
 Column-parallel projections (qkv, gate_up) need no new layer: a rank's rows are a smaller Linear of the same kind.
 Row-parallel ones sum their partial products across ranks before the residual joins, so it is added once.
@@ -13,6 +14,7 @@ from torch import nn
 
 from pagedserve.distributed.split import RankShard, columns_of, gate_up_rows, qkv_rows, rows_of
 from pagedserve.model.linear import Linear
+from pagedserve.model.models.moe import SparseMoE, padded
 from pagedserve.model.quant import QuantizedWeight
 from pagedserve.model.quant_linear import QuantEmbedding, QuantLinear
 
@@ -94,6 +96,24 @@ def row_parallel(module: nn.Module, cols: range, comm: Any) -> RowParallelLinear
     return RowParallelLinear(linear_of(module, columns_of(weight_of(module), cols), None), comm)
 
 
+def shard_experts(moe: SparseMoE, cols: range, comm: Any) -> None:
+    """Only columns cols of every expert's MLP (its gate and up outputs, its down's inputs) stay; comm sums the
+    ranks' partial outputs."""
+    a, b = cols.start, cols.stop
+    if moe.quantized:
+        gate_up = torch.cat([torch.arange(a, b), moe.inter + torch.arange(a, b)])
+        moe.quantized = [(rows_of(gu, gate_up), columns_of(down, cols)) for gu, down in moe.quantized]
+    else:  # the padded layout of SparseMoE.load_experts, at the new width
+        h, pi, n = moe.hidden, padded(moe.inter), b - a
+        w13 = torch.zeros(moe.num_experts, padded(h), 2 * padded(n), dtype=moe.w13.dtype)
+        w13[:, :, :n] = moe.w13[:, :, a:b]
+        w13[:, :, padded(n):padded(n) + n] = moe.w13[:, :, pi + a:pi + b]
+        w2 = torch.zeros(moe.num_experts, padded(n), padded(h), dtype=moe.w2.dtype)
+        w2[:, :n] = moe.w2[:, a:b]
+        moe.w13, moe.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
+    moe.inter, moe.comm = b - a, comm
+
+
 @torch.no_grad()
 def shard_llama(model: nn.Module, shard: RankShard, comm: Any) -> None:
     """Replaces model's layers (a loaded Llama-family model, before use_fast_path packs them) by rank shard's part."""
@@ -106,6 +126,9 @@ def shard_llama(model: nn.Module, shard: RankShard, comm: Any) -> None:
         attn.o_proj = row_parallel(attn.o_proj, range(shard.q_heads.start * d, shard.q_heads.stop * d), comm)
         attn.num_heads, attn.num_kv_heads = local.num_attention_heads, local.num_key_value_heads
         attn.q_size, attn.kv_size = local.q_size, local.kv_size
+        if isinstance(mlp, SparseMoE):
+            shard_experts(mlp, shard.expert_intermediate, comm)
+            continue
         mlp.gate_up_proj = column_parallel(mlp.gate_up_proj, gate_up_rows(shard, config))
         mlp.down_proj = row_parallel(mlp.down_proj, shard.intermediate, comm)
     vocab = torch.arange(shard.vocab.start, shard.vocab.stop)

@@ -9,6 +9,8 @@
 - qkv and gate_up split by output rows (each rank's q, k, v, gate and up rows), o and down by input columns, whose
   partial products are summed by an all-reduce; the embedding and LM head split the vocabulary (an all-reduce of
   rows only one rank holds, and an all-gather of logits).
+- A mixture of experts splits every expert like the MLP (its gate and up columns, its down's input columns, one
+  all-reduce per sparse layer); the router is whole on every rank, so all ranks route alike.
 - Quantized weights split along their groups: a K range that would cut a group (or a Hadamard block) is refused.
   A weight with one group per row (int8 per channel) keeps its scale per row on every rank.
 """
@@ -31,12 +33,13 @@ class RankShard:
     intermediate: range  # MLP columns (of gate, of up, and rows of down's input)
     vocab: range  # embedding rows and logits
     vocab_sizes: tuple[int, ...]  # every rank's vocabulary share, for the all-gather
+    expert_intermediate: range = range(0)  # each expert's columns, as the MLP's (a mixture of experts)
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The config of this rank's part: its heads (the KV cache it owns) and MLP width; the vocabulary stays
         whole, as the logits that come back are."""
         return replace(config, num_attention_heads=len(self.q_heads), num_key_value_heads=len(self.kv_heads),
-                       intermediate_size=len(self.intermediate))
+                       intermediate_size=len(self.intermediate), moe_intermediate_size=len(self.expert_intermediate))
 
 
 def even_parts(total: int, world: int) -> list[range]:
@@ -66,13 +69,18 @@ def plan_shard(config: ModelConfig, rank: int, world: int) -> RankShard:
 
 
 def _shard(config: ModelConfig, rank: int, world: int, q_heads: range, kv_heads: range) -> RankShard:
-    if config.intermediate_size % GGUF_BLOCK or config.intermediate_size // GGUF_BLOCK < world:
-        raise ValueError(f"cannot split an MLP of {config.intermediate_size} columns over {world} ranks in blocks of "
-                         f"{GGUF_BLOCK}")
-    blocks = even_parts(config.intermediate_size // GGUF_BLOCK, world)[rank]
     vocab = even_parts(config.vocab_size, world)
-    return RankShard(rank, world, q_heads, kv_heads, range(blocks.start * GGUF_BLOCK, blocks.stop * GGUF_BLOCK),
-                     vocab[rank], tuple(len(v) for v in vocab))
+    experts = _columns(config.moe_intermediate_size, rank, world, "expert") if config.num_experts else range(0)
+    return RankShard(rank, world, q_heads, kv_heads, _columns(config.intermediate_size, rank, world, "MLP"),
+                     vocab[rank], tuple(len(v) for v in vocab), experts)
+
+
+def _columns(width: int, rank: int, world: int, what: str) -> range:
+    """This rank's columns of an MLP (or of each expert) of width columns, in whole blocks of GGUF_BLOCK."""
+    if width % GGUF_BLOCK or width // GGUF_BLOCK < world:
+        raise ValueError(f"cannot split an {what} of {width} columns over {world} ranks in blocks of {GGUF_BLOCK}")
+    blocks = even_parts(width // GGUF_BLOCK, world)[rank]
+    return range(blocks.start * GGUF_BLOCK, blocks.stop * GGUF_BLOCK)
 
 
 def qkv_rows(shard: RankShard, config: ModelConfig) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pagedserve.config import EngineConfig, parse_size
-from pagedserve.distributed.executor import ParallelModelRunner, Workers
+from pagedserve.distributed.executor import ParallelModelRunner, Workers, check_parallel
 from pagedserve.engine.calibration import CALIBRATION_TEXT
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache import KVCacheGroup, KVCacheManager, kv_cache_groups
@@ -105,6 +105,7 @@ class LLMEngine:
             model.quantize_linears(self.quantization, hadamard=w8a8_basis(self.quantization, self.dtype))
         model.to(self.dtype).eval()
         # tensor parallelism: the workers start and this process keeps rank 0's part of the model
+        check_parallel(config)
         self.workers = Workers(config, model) if config.tensor_parallel_size > 1 else None
         self.weight_bytes = quantized_bytes(model)
         self.weights_info = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,

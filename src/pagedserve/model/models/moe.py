@@ -14,6 +14,8 @@ Each sparse layer counts the tokens routed to each expert (for /metrics: load ba
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,6 +57,7 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(self.num_experts, padded(i), padded(h)), requires_grad=False)
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
         self.quantized: list[tuple[QuantizedWeight, QuantizedWeight]] = []  # per expert (gate_up, down), once quantized
+        self.comm: Any = None  # a tensor-parallel rank's collectives: its experts' columns give a partial sum
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -69,6 +72,8 @@ class SparseMoE(nn.Module):
         y = self._experts(x[rows], counts) if self.quantized else self._grouped(x[rows], counts)
         y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)
         out = torch.zeros_like(x).index_add_(0, rows, y)
+        if self.comm is not None:
+            out = self.comm.all_reduce(out)
         return out if residual is None else residual + out
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
