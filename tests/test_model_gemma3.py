@@ -128,8 +128,45 @@ def test_kv_formats_and_refusals(gemma):
         assert sum(o == e for o, e in zip(outs, expected)) >= agree, dtype
     with pytest.raises(ValueError, match="int4 is not supported for models with sliding-window layers"):
         LLM(str(folder), dtype="float32", kv_cache_memory="2MiB", kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="KV transfer between workers .* not supported for models with sliding"):
-        llm.engine.kv_transfer.lease(prompts[2])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_kv_transfer_moves_every_groups_blocks(gemma, kv_cache_dtype):
+    """Disaggregation: a block position travels with each KV cache group's block there; a sliding group's block
+    before the window travels as zeros and is not registered at the decode end, which then answers as if it had
+    prefilled itself (and garbage of the right size changes the answer: the imported KV is what it reads)."""
+    folder, _, _, prompts, expected = gemma
+    args = {"model": str(folder), "dtype": "float32", "kv_cache_memory": "2MiB", "kv_cache_dtype": kv_cache_dtype}
+    prefill, decode = LLM(**args), LLM(**args)
+    ids = prompts[2]  # over three windows long
+    prefill.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1))
+    transfer = prefill.engine.kv_transfer
+    lease = transfer.lease(ids)
+    count = len(lease.block_ids)
+    assert count == (len(ids) - 1) // 16 and transfer.pinned_blocks == sum(b != NULL_BLOCK for p in lease.block_ids
+                                                                           for b in p)
+    sliding = [g for g, group in enumerate(prefill.engine.runner.groups) if group.window is not None]
+    assert any(p[g] == NULL_BLOCK for p in lease.block_ids for g in sliding)  # given back: they do not travel
+    data = bytes(transfer.export(lease.lease_id, 0))
+
+    def pulled(payload: bytes) -> tuple[list[int], int]:
+        decode.engine.kv.reset_prefix_cache()
+        placed = 0
+        for part in (1, 2, count):  # in parts, as the decode worker imports
+            placed += decode.engine.kv_transfer.import_blocks(ids, 0, payload, count, first=placed, num=part)
+        assert placed == count
+        before = decode.engine.stats().prefix_cache_hit_tokens
+        tokens = run(decode, [ids])[0]
+        return tokens, decode.engine.stats().prefix_cache_hit_tokens - before
+
+    garbled, _ = pulled(bytes(len(data)))
+    tokens, hits = pulled(data)
+    assert hits == count * 16  # the whole leased prefix: every full group's blocks and the windows' ones
+    if kv_cache_dtype == "auto":
+        assert tokens == expected[2] != garbled
+    else:  # int8 KV: the same tokens as an int8 engine that prefilled itself
+        assert tokens == run(LLM(**args), [ids])[0] != garbled
+    assert transfer.release(lease.lease_id) and transfer.pinned_blocks == 0
 
 
 def test_bfloat16_runs(gemma):

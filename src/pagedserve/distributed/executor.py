@@ -220,8 +220,9 @@ class ParallelModelRunner(ModelRunner):
         self.workers.send("copy_blocks", (copies, tails))
         super().copy_blocks(copies, tails)
 
-    def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> memoryview:
+    def export_blocks(self, positions: list[tuple[int, ...]], out: torch.Tensor | None = None) -> memoryview:
         raise ValueError(NO_KV_TRANSFER)
 
-    def import_blocks(self, block_ids: list[int], data: bytes | memoryview, num_blocks: int, first: int = 0) -> None:
+    def import_blocks(self, positions: list[tuple[int, ...]], data: bytes | memoryview, num_blocks: int,
+                      first: int = 0) -> None:
         raise ValueError(NO_KV_TRANSFER)

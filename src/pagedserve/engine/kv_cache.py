@@ -296,46 +296,58 @@ class KVCacheManager:
         return [block_id]
 
     # -- transfer between workers (disaggregated prefill/decode) ----------------------------------
-    def _refuse_hybrid(self, what: str) -> None:
-        if self.hybrid:
-            raise ValueError(f"{what} is not supported for models with sliding-window layers (their KV cache "
-                             "groups hold different blocks) yet; supported: models whose layers all attend to "
-                             "the whole context")
+    # A transferred block is a block position: a tuple of each group's block id there (NULL_BLOCK where a sliding
+    # group's window no longer reaches it: nothing of it travels), one entry without sliding layers.
+    def cached_prefix_blocks(self, token_ids: list[int], salt: str | None = None) -> list[tuple[int, ...]]:
+        """The cached blocks holding the longest prefix of these tokens (full blocks only) that a request for
+        them could hit, each verified against its stored tokens."""
+        return self._prefix_hits(token_ids, salt)
 
-    def cached_prefix_blocks(self, token_ids: list[int], salt: str | None = None) -> list[int]:
-        """The cached blocks holding the longest prefix of these tokens (full blocks only), each verified
-        against its stored tokens."""
-        self._refuse_hybrid("KV transfer between workers (disaggregated prefill/decode)")
-        return [h[0] for h in self._prefix_hits(token_ids, salt)]
+    def cached_prefix_length(self, token_ids: list[int], salt: str | None = None) -> int:
+        """How many leading full blocks of these tokens every full-attention group holds (the sliding groups'
+        are what a transfer of that many blocks brings along)."""
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        for i, (h, tokens) in enumerate(self._chain(token_ids, len(token_ids) // self.block_size, salt)):
+            ids = [self.cached_by_group[g].get(h) for g in full]
+            if any(b is None or self.blocks[b].token_ids != tokens for b in ids):
+                return i
+        return len(token_ids) // self.block_size
 
-    def pin(self, block_ids: list[int]) -> None:
+    def pin(self, positions: list[tuple[int, ...]]) -> None:
         """Holds blocks (a transfer lease): neither evicted nor reused until unpinned."""
-        for b in block_ids:
+        for b in held(positions):
             self._touch(b)
 
-    def unpin(self, block_ids: list[int]) -> None:
-        for b in block_ids:
+    def unpin(self, positions: list[tuple[int, ...]]) -> None:
+        for b in held(positions):
             self._release(b)
 
-    def insert_cached(self, token_ids: list[int], start: int, count: int, salt: str | None = None) -> list[int]:
-        """Free blocks registered in the prefix cache as holding blocks start..start+count of these tokens
-        (blocks 0..start must already be cached); the caller writes their KV before anything else runs. They
-        stay free (evictable, most recently used). Fewer than count when the pool has fewer free blocks."""
-        self._refuse_hybrid("KV transfer between workers (disaggregated prefill/decode)")
+    def insert_cached(self, token_ids: list[int], start: int, count: int, salt: str | None = None,
+                      total: int | None = None) -> list[tuple[int, ...]]:
+        """Free blocks registered in the prefix cache as holding block positions start..start+count of these
+        tokens (positions 0..start must already be cached); the caller writes their KV before anything else runs.
+        They stay free (evictable, most recently used). A sliding group gets blocks only where the window of a
+        prefix of total positions (start + count by default) reaches. Fewer positions than count when the pool is
+        short."""
+        total = start + count if total is None else total
+        need = [self._first_needed(total * self.block_size, g) for g in range(len(self.windows))]
         chain = self._chain(token_ids, start, salt)
         parent = chain[-1][0] if chain else None
         out = []
-        for i in range(start, min(start + count, start + self.num_free_blocks)):
+        for i in range(start, start + count):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = hash((parent, tokens, salt))
-            if h in self.cached:  # cached meanwhile (computed here): keep what is there
-                break
-            block_id = self._pop_free()
-            block = self.blocks[block_id]
-            block.ref_count, block.block_hash, block.token_ids, block.group = 0, h, tokens, 0
-            self.cached[h] = block_id
-            self.free_queue[block_id] = None
-            out.append(block_id)
+            groups = [g for g in range(len(self.windows)) if i >= need[g]]
+            if any(h in self.cached_by_group[g] for g in groups) or len(groups) > self.num_free_blocks:
+                break  # cached meanwhile (computed here): keep what is there; or the pool is short
+            position = [NULL_BLOCK] * len(self.windows)
+            for g in groups:
+                block_id = position[g] = self._pop_free()
+                block = self.blocks[block_id]
+                block.ref_count, block.block_hash, block.token_ids, block.group = 0, h, tokens, g
+                self.cached_by_group[g][h] = block_id
+                self.free_queue[block_id] = None
+            out.append(tuple(position))
             parent = h
         return out
 
@@ -362,3 +374,8 @@ class KVCacheManager:
             if self.cached_by_group[block.group].get(block.block_hash) == block.block_id:
                 del self.cached_by_group[block.group][block.block_hash]
             block.block_hash, block.token_ids = None, None
+
+
+def held(positions: list[tuple[int, ...]]) -> list[int]:
+    """The block ids of transferred block positions, NULL_BLOCK left out."""
+    return [b for position in positions for b in position if b != NULL_BLOCK]

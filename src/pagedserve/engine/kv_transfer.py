@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.kv_cache import KVCacheManager
+from pagedserve.engine.kv_cache import KVCacheManager, held
 from pagedserve.engine.model_runner import ModelRunner
 
 
 @dataclass(slots=True)
 class Lease:
     lease_id: str
-    block_ids: list[int]
+    block_ids: list[tuple[int, ...]]  # per block position, each KV cache group's block (engine/kv_cache.py)
     tokens_sha: str  # of the token ids the blocks hold (and the salt): the decode side checks it has the same
     expires_at: float  # time.monotonic()
 
@@ -57,17 +57,20 @@ class KVTransfer:
 
     @property
     def pinned_blocks(self) -> int:
-        return sum(len(lease.block_ids) for lease in self.leases.values())
+        return sum(len(held(lease.block_ids)) for lease in self.leases.values())
 
     def lease(self, token_ids: list[int], salt: str | None = None) -> Lease:
-        """Pins the cached full blocks of this prompt (those that survived until now, and as many leading ones
-        as the bounds on leases allow: the decode worker computes the rest); salt: the cache salt the prompt
-        was computed under."""
+        """Pins the cached full blocks of this prompt that a request for it can hit (its last token is always
+        computed), those that survived until now and as many leading ones as the bounds on leases allow: the
+        decode worker computes the rest; salt: the cache salt the prompt was computed under."""
         self.expire()
         room = int(self.max_pinned_fraction * self.kv.num_blocks) - self.pinned_blocks
         if len(self.leases) >= self.max_leases:
             room = 0
-        blocks = self.kv.cached_prefix_blocks(token_ids, salt)[:max(room, 0)]
+        hit = (len(token_ids) - 1) // self.block_size * self.block_size
+        blocks = self.kv.cached_prefix_blocks(token_ids[:hit], salt)
+        while blocks and len(held(blocks)) > room:  # whole positions: a sliding group's block with its full ones
+            blocks.pop()
         self.kv.pin(blocks)
         lease = Lease(uuid.uuid4().hex, blocks, tokens_sha(token_ids[:len(blocks) * self.block_size], salt),
                       time.monotonic() + self.lease_s)
@@ -99,7 +102,7 @@ class KVTransfer:
 
     def cached_blocks(self, token_ids: list[int], salt: str | None = None) -> int:
         """How many leading full blocks of this prompt the local prefix cache already holds."""
-        return len(self.kv.cached_prefix_blocks(token_ids, salt))
+        return self.kv.cached_prefix_length(token_ids, salt)
 
     def import_blocks(self, token_ids: list[int], start: int, data: bytes, count: int, salt: str | None = None,
                       first: int = 0, num: int | None = None) -> int:
@@ -112,9 +115,9 @@ class KVTransfer:
         num = count - first if num is None else min(num, count - first)
         if self.cached_blocks(token_ids, salt) != start + first:  # the local cache changed since the pull began
             return 0
-        block_ids = self.kv.insert_cached(token_ids, start + first, num, salt)
-        self.runner.import_blocks(block_ids, data, count, first)
-        return len(block_ids)
+        positions = self.kv.insert_cached(token_ids, start + first, num, salt, total=start + count)
+        self.runner.import_blocks(positions, data, count, first)
+        return len(positions)
 
     def live(self, lease_id: str) -> Lease:
         self.expire()

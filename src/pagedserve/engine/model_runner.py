@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.kv_cache import KVCacheGroup, kv_cache_groups
+from pagedserve.engine.kv_cache import KVCacheGroup, held, kv_cache_groups
 from pagedserve.engine.request import Request
 from pagedserve.model.attention import AttentionMetadata, PrefillSpan
 from pagedserve.model.kv_cache_dtype import KVFormat, LayerKVCache, hadamard, resolve_kv_format
@@ -188,26 +188,32 @@ class ModelRunner:
         return [(t, bs) for t in [layer.k, layer.v, *scales]]
 
     @staticmethod
-    def _rows(block_ids: list[int], per_block: int) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
+    def _rows(block_ids: list[int] | torch.Tensor, per_block: int) -> torch.Tensor:
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
         return (ids[:, None] * per_block + torch.arange(per_block)).flatten()
 
     @torch.inference_mode()
-    def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> memoryview:
-        """The blocks' KV as stored (quantized blocks at their quantized size), layer by layer: a view of the one
-        buffer they were gathered into (a copy into bytes would cost as much again), out when given (uint8, of
-        export_size bytes: a shared-memory segment). Only full blocks travel, so int4 keys are never in a tail."""
-        size = self.export_size(len(block_ids))
+    def export_blocks(self, positions: list[tuple[int, ...]], out: torch.Tensor | None = None) -> memoryview:
+        """The KV of these block positions (each KV cache group's block there, engine/kv_cache.py) as stored
+        (quantized blocks at their quantized size), layer by layer, each layer's from its group's blocks; a
+        sliding group's NULL_BLOCK travels as zeros. A view of the one buffer they were gathered into (a copy into
+        bytes would cost as much again), out when given (uint8, of export_size bytes: a shared-memory segment).
+        Only full blocks travel, so int4 keys are never in a tail."""
+        size = self.export_size(len(positions))
         if out is None:
             out = torch.empty(size, dtype=torch.uint8)
         elif out.dtype != torch.uint8 or out.numel() != size:
-            raise ValueError(f"an export of {len(block_ids)} blocks takes {size} bytes, not {out.numel()}")
-        offset = 0
-        for layer in self.kv_caches:
+            raise ValueError(f"an export of {len(positions)} blocks takes {size} bytes, not {out.numel()}")
+        ids, offset = self._group_ids(positions), 0
+        for layer, group in zip(self.kv_caches, self.group_of_layer, strict=True):
+            null = ids[group] < 0
             for t, per_block in self.block_tensors(layer):  # gathered straight into the payload: no concatenation
-                rows = self._rows(block_ids, per_block)
+                rows = self._rows(ids[group].clamp(min=0), per_block)
                 size = t.element_size() * int(t[0].numel()) * len(rows)
-                torch.index_select(t, 0, rows, out=out[offset:offset + size].view(t.dtype).view(len(rows), *t.shape[1:]))
+                payload = out[offset:offset + size]
+                torch.index_select(t, 0, rows, out=payload.view(t.dtype).view(len(rows), *t.shape[1:]))
+                if null.any():  # zeros, not whatever KV the given-back block holds now
+                    payload.view(len(positions), -1)[null] = 0
                 offset += size
         return memoryview(out.numpy())
 
@@ -216,25 +222,33 @@ class ModelRunner:
                    for layer in self.kv_caches for t, per_block in self.block_tensors(layer))
 
     @torch.inference_mode()
-    def import_blocks(self, block_ids: list[int], data: bytes | memoryview, num_blocks: int, first: int = 0) -> None:
-        """Writes blocks first..first+len(block_ids) of the num_blocks blocks export_blocks put in data into
-        these."""
+    def import_blocks(self, positions: list[tuple[int, ...]], data: bytes | memoryview, num_blocks: int,
+                      first: int = 0) -> None:
+        """Writes block positions first..first+len(positions) of the num_blocks export_blocks put in data into
+        these (each group's block; none where a sliding group's is NULL_BLOCK)."""
         if len(data) != self.export_size(num_blocks):
             raise ValueError(f"KV data of {len(data)} bytes for {num_blocks} blocks; expected "
                              f"{self.export_size(num_blocks)} (another model, block size or KV format?)")
         if self.tails is not None:
-            self.tails.release(block_ids)
+            self.tails.release(held(positions))
         with warnings.catch_warnings():  # read only, never written: no writable copy needed
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             raw, offset = torch.frombuffer(data, dtype=torch.uint8), 0
-        for layer in self.kv_caches:
+        ids = self._group_ids(positions)
+        for layer, group in zip(self.kv_caches, self.group_of_layer, strict=True):
+            kept = (ids[group] >= 0).nonzero().flatten()
             for t, per_block in self.block_tensors(layer):
-                rows = self._rows(block_ids, per_block)
+                rows = self._rows(ids[group][kept], per_block)
                 size = t.element_size() * int(t[0].numel()) * per_block * num_blocks
                 bits = torch.uint8 if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t.dtype  # no CPU fp8 index_copy_
-                chunk = raw[offset:offset + size].view(bits).view(per_block * num_blocks, *t.shape[1:])
-                t.view(bits).index_copy_(0, rows, chunk[first * per_block:first * per_block + len(rows)])
+                chunk = raw[offset:offset + size].view(bits).view(num_blocks, per_block, *t.shape[1:])
+                t.view(bits).index_copy_(0, rows, chunk[first + kept].flatten(0, 1))
                 offset += size
+
+    def _group_ids(self, positions: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Per KV cache group, its block id at each position."""
+        ids = torch.tensor(positions, dtype=torch.long).reshape(len(positions), len(self.groups))
+        return list(ids.T)
 
     def fork_tails(self, copies: list[tuple[int, int]]) -> list[tuple[int, int] | None]:
         """int4: the key tails of copies' partly written source blocks, and the new ones of their copies."""
