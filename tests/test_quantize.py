@@ -149,3 +149,48 @@ def test_gptq_and_awq_beat_round_to_nearest_at_the_same_grid(written):
     for method in ("gptq", "awq"):
         assert written[method]["grid"] == written["rtn"]["grid"]
         assert written[method]["perplexity"]["after"] < rtn_ppl, (method, written[method]["perplexity"], rtn_ppl)
+
+
+@pytest.mark.slow
+def test_qwen3_calibrates_through_its_qk_norm_and_writes_a_folder_transformers_reads(tmp_path):
+    """The calibration forward is the model: a tiny Qwen3 through quantize/layer.py's forward gives transformers'
+    logits (fp32). `pagedserve quantize` (AWQ, which folds scales through the layer) writes a Qwen3 folder that
+    serves here with transformers' + compressed-tensors' perplexity on it (where llm-compressor's venv is)."""
+    import torch.nn.functional as F
+
+    from pagedserve import LLM
+    from pagedserve.cli import main
+    from pagedserve.model.layers import RotaryEmbedding
+    from pagedserve.model.loader import load_model
+    from pagedserve.quantize import layer
+    from tests.test_hf_folder import byte_tokenizer
+    from tests.test_model_qwen3_moe import tiny_model
+
+    model = tiny_model("qwen3", 21, {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "head_dim": 16})
+    folder = tmp_path / "qwen3"
+    model.save_pretrained(folder)
+    byte_tokenizer(folder)
+    loaded = load_model(str(folder))
+    c, w = loaded.config, loaded.weights
+    ids = torch.tensor([list(b"The quick brown fox jumps over the lazy dog.")])
+    cos, sin = RotaryEmbedding(c).tables(torch.arange(ids.shape[1]), torch.float32)
+    with torch.no_grad():
+        x = F.embedding(ids, w["model.embed_tokens.weight"])
+        for i in range(c.num_hidden_layers):
+            x = layer.forward(layer.layer_weights(w, i), x, cos, sin, c)
+        logits = F.linear(F.rms_norm(x, (c.hidden_size,), w["model.norm.weight"], c.rms_norm_eps), w["lm_head.weight"])
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+    out = tmp_path / "awq"
+    extra = ["--transformers-python", str(LLMC_PYTHON)] if LLMC_PYTHON.exists() else []
+    assert main(["quantize", str(folder), "--method", "awq", *SMALL, "--ppl-window", "256", "--out", str(out),
+                 *extra]) == 0
+    report = json.loads((out / "quantize_report.json").read_text())
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    if extra:
+        ppl = report["perplexity"]
+        assert abs(ppl["after"] / ppl["transformers"] - 1) < 1e-3, ppl
+    llm = LLM(str(out), dtype="float32", kv_cache_memory="4MiB")
+    assert llm.engine.family.name == "qwen3"
+    assert llm.engine.weights_info["quantization"].startswith("compressed-tensors pack-quantized: W4A16")

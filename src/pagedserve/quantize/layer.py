@@ -1,4 +1,4 @@
-"""One Llama-family decoder layer as a plain dense forward over its HF-named fp32 weights, for calibration: the
+"""One Llama-family (or Qwen3) decoder layer as a plain dense forward over its HF-named fp32 weights, for calibration: the
 engine's forward needs a paged KV cache and step metadata, which a batch of fixed-length samples does not.
 Uses the model code's own RMSNorm, RoPE tables and rotation, so the numbers are the engine's fp32 path's.
 
@@ -16,12 +16,15 @@ from pagedserve.model.token_quant import quantize_tokens
 GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
           "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 LINEARS = tuple(name for names in GROUPS.values() for name in names)
-SUPPORTED_FAMILIES = ("llama",)  # Llama, Mistral, Qwen2; Gemma 3 / Qwen3 add norms this forward does not have
+# Llama, Mistral, Qwen2, and Qwen3 (its QK-norm: an RMSNorm over each head of q and k before RoPE). Gemma 3's
+# (1 + w) norms around each block, sliding windows and per-layer RoPE bases, and the experts of a mixture, are not
+# in this forward.
+SUPPORTED_FAMILIES = ("llama", "qwen3")
 
 
 def check_family(config: ModelConfig) -> None:
     if config.family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"pagedserve quantize supports the Llama family (llama, mistral, qwen2) for now; "
+        raise ValueError(f"pagedserve quantize supports the Llama family (llama, mistral, qwen2) and qwen3 for now; "
                          f"{config.architecture} ({config.family}) is not supported yet")
 
 
@@ -48,8 +51,12 @@ def forward(w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin:
     h = F.rms_norm(x, (x.shape[-1],), w["input_layernorm.weight"], config.rms_norm_eps)
     taps["qkv"] = h
     q, k, v = (linear(h, w, f"self_attn.{n}_proj", act_quant) for n in "qkv")
-    q = rotate(q.view(b * t, heads, d), cos.repeat(b, 1), sin.repeat(b, 1)).view(b, t, heads, d).transpose(1, 2)
-    k = rotate(k.view(b * t, kv_heads, d), cos.repeat(b, 1), sin.repeat(b, 1)).view(b, t, kv_heads, d).transpose(1, 2)
+    q, k = q.view(b * t, heads, d), k.view(b * t, kv_heads, d)
+    if "self_attn.q_norm.weight" in w:  # Qwen3
+        q = F.rms_norm(q, (d,), w["self_attn.q_norm.weight"], config.rms_norm_eps)
+        k = F.rms_norm(k, (d,), w["self_attn.k_norm.weight"], config.rms_norm_eps)
+    q = rotate(q, cos.repeat(b, 1), sin.repeat(b, 1)).view(b, t, heads, d).transpose(1, 2)
+    k = rotate(k, cos.repeat(b, 1), sin.repeat(b, 1)).view(b, t, kv_heads, d).transpose(1, 2)
     v = v.view(b, t, kv_heads, d).transpose(1, 2)
     if kv_heads != heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)

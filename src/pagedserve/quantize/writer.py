@@ -57,12 +57,16 @@ def quantization_config(grid: Grid, w8a8: bool) -> dict:
             "global_compression_ratio": None}
 
 
+HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+
+
 def hf_config(loaded: LoadedModel, source: Path | None) -> dict:
-    """The source folder's config.json, or one written from a GGUF's config (Llama family)."""
+    """The source folder's config.json, or one written from a GGUF's config (Llama family or Qwen3)."""
     if source is not None and source.is_dir():
         return json.loads((source / "config.json").read_text())
     c = loaded.config
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+    arch, model_type = HF_ARCHITECTURES[c.family]
+    cfg = {"architectures": [arch], "model_type": model_type, "vocab_size": c.vocab_size,
            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
