@@ -29,7 +29,8 @@ from pagedserve.distributed.parallel_layers import shard_llama
 from pagedserve.distributed.parallel_state import open_communicator, shm_for
 from pagedserve.distributed.split import plan_shard
 from pagedserve.distributed.worker import worker_main
-from pagedserve.engine.model_runner import BatchInputs, ModelRunner
+from pagedserve.engine.kv_cache import held
+from pagedserve.engine.model_runner import BatchInputs, ModelRunner, stored
 from pagedserve.model.lora import LoRAAdapter
 from pagedserve.model.model_config import ModelConfig
 
@@ -37,13 +38,6 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a worker's start: spawn, imports, the model's transfer and split
 COLLECTIVE_TIMEOUT_S = 300.0  # the longest one collective may wait for a rank that is alive but stuck
-
-
-# Each rank holds its own KV heads' share of every block, and the transfer format is one process's whole blocks.
-NO_KV_TRANSFER = ("disaggregated serving (--kv-role) is not supported with --tensor-parallel-size > 1 yet: each "
-                  "rank holds only its own KV heads' share of a block, so a tensor-parallel prefill worker cannot "
-                  "hand its KV to a decode worker (a TP=2 prefill worker to a TP=1 decode worker included) nor "
-                  "import one's; run disaggregated workers with --tensor-parallel-size 1")
 
 
 def check_parallel(config: EngineConfig) -> None:
@@ -58,6 +52,10 @@ class Workers:
     def __init__(self, config: EngineConfig, model: torch.nn.Module) -> None:
         world = config.tensor_parallel_size
         self.shard = plan_shard(model.config, 0, world)  # refuses a shape that does not split before any spawn
+        self.kv_heads = [plan_shard(model.config, r, world).kv_heads for r in range(world)]
+        # the rank whose share of each block holds each KV head first (where fewer heads than ranks repeat them)
+        self.head_owners = [r for r, heads in enumerate(self.kv_heads)
+                            if r == 0 or heads.start >= self.kv_heads[r - 1].stop]
         cores = rank_cores(config.cpu_binding, world)
         threads = None if cores else max(1, (config.num_threads or torch.get_num_threads()) // world)
         store = gloo_store(0, world, 0, COLLECTIVE_TIMEOUT_S)
@@ -120,6 +118,27 @@ class Workers:
         if proc.sentinel in ready:
             raise RankFailure(f"rank {rank} exited during start-up (exit code {proc.exitcode})")
         raise RankFailure(f"rank {rank} did not start within {START_TIMEOUT_S:.0f}s")
+
+    def send_each(self, kind: str, payloads: list[Any]) -> None:
+        """payloads[r - 1] to rank r."""
+        try:
+            for conn, payload in zip(self.conns, payloads, strict=True):
+                conn.send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:
+            raise self.failed(exc) from exc
+
+    def collect(self, kind: str) -> list[Any]:
+        """Each worker's answer to the message just sent, in rank order."""
+        answers = []
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                got, payload = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                raise self.failed(exc) from exc
+            if got != kind:
+                raise self.failed(RankFailure(f"rank {rank} answered {got!r}: {payload}"))
+            answers.append(payload)
+        return answers
 
     def send(self, kind: str, payload: Any) -> None:
         data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
@@ -220,9 +239,31 @@ class ParallelModelRunner(ModelRunner):
         self.workers.send("copy_blocks", (copies, tails))
         super().copy_blocks(copies, tails)
 
-    def export_blocks(self, positions: list[tuple[int, ...]], out: torch.Tensor | None = None) -> memoryview:
-        raise ValueError(NO_KV_TRANSFER)
+    # KV transfer: a payload holds every KV head, as a TP=1 worker's does (either end may be tensor-parallel or
+    # not); each rank gathers or writes only its own heads' share of it.
+    def wire_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        return (self.full_config.num_key_value_heads, *t.shape[2:])
 
+    @torch.inference_mode()
+    def export_blocks(self, positions: list[tuple[int, ...]], out: torch.Tensor | None = None) -> memoryview:
+        self.workers.send("gather", positions)
+        ranks = [self._guarded(self.gather_blocks, positions), *self.workers.collect("pieces")]
+        out = self._payload(len(positions), out)
+        offset = 0
+        for shares in zip(*ranks, strict=True):  # one layer's block tensor, every rank's heads of it
+            whole = torch.cat([shares[r].view(stored(shares[r].dtype)) for r in self.workers.head_owners], dim=1)
+            size = whole.numel() * whole.element_size()
+            out[offset:offset + size].view(whole.dtype).view(whole.shape).copy_(whole)
+            offset += size
+        return memoryview(out.numpy())
+
+    @torch.inference_mode()
     def import_blocks(self, positions: list[tuple[int, ...]], data: bytes | memoryview, num_blocks: int,
                       first: int = 0) -> None:
-        raise ValueError(NO_KV_TRANSFER)
+        if self.tails is not None:  # journaled: the workers' tails follow with the next step
+            self.tails.release(held(positions))
+        pieces = [p.view(num_blocks, -1, *p.shape[1:])[first:first + len(positions)].flatten(0, 1)
+                  for p in self._pieces(data, num_blocks)]  # only the positions placed now travel to the workers
+        shares = [[p[:, heads.start:heads.stop].contiguous() for p in pieces] for heads in self.workers.kv_heads]
+        self.workers.send_each("scatter", [(positions, share) for share in shares[1:]])
+        self._guarded(self.scatter_blocks, positions, shares[0])

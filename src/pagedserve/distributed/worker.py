@@ -71,5 +71,9 @@ def serve(conn: Connection, model: torch.nn.Module, shard: RankShard) -> None:
             runner.copy_blocks(*payload)
         elif kind == "tails":
             runner.tails.follow(*payload)
+        elif kind == "gather":  # KV transfer: this rank's heads of the blocks, to rank 0
+            conn.send_bytes(pickle.dumps(("pieces", runner.gather_blocks(payload)), protocol=pickle.HIGHEST_PROTOCOL))
+        elif kind == "scatter":
+            runner.scatter_blocks(*payload)
         else:
             raise ValueError(f"unknown step message {kind!r}")

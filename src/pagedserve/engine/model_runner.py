@@ -1,6 +1,7 @@
 """Owns the model and the KV pool; turns a scheduled batch into tensors and runs one forward pass."""
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -199,51 +200,83 @@ class ModelRunner:
         sliding group's NULL_BLOCK travels as zeros. A view of the one buffer they were gathered into (a copy into
         bytes would cost as much again), out when given (uint8, of export_size bytes: a shared-memory segment).
         Only full blocks travel, so int4 keys are never in a tail."""
-        size = self.export_size(len(positions))
+        out = self._payload(len(positions), out)
+        self.gather_blocks(positions, out)
+        return memoryview(out.numpy())
+
+    def _payload(self, num_blocks: int, out: torch.Tensor | None) -> torch.Tensor:
+        size = self.export_size(num_blocks)
         if out is None:
-            out = torch.empty(size, dtype=torch.uint8)
-        elif out.dtype != torch.uint8 or out.numel() != size:
-            raise ValueError(f"an export of {len(positions)} blocks takes {size} bytes, not {out.numel()}")
-        ids, offset = self._group_ids(positions), 0
+            return torch.empty(size, dtype=torch.uint8)
+        if out.dtype != torch.uint8 or out.numel() != size:
+            raise ValueError(f"an export of {num_blocks} blocks takes {size} bytes, not {out.numel()}")
+        return out
+
+    def gather_blocks(self, positions: list[tuple[int, ...]], out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """What export_blocks sends, as one tensor per layer and block tensor ([positions x rows per block,
+        heads, ...]); written one after another into out (uint8) when given."""
+        ids, offset, pieces = self._group_ids(positions), 0, []
         for layer, group in zip(self.kv_caches, self.group_of_layer, strict=True):
             null = ids[group] < 0
             for t, per_block in self.block_tensors(layer):  # gathered straight into the payload: no concatenation
                 rows = self._rows(ids[group].clamp(min=0), per_block)
-                size = t.element_size() * int(t[0].numel()) * len(rows)
-                payload = out[offset:offset + size]
-                torch.index_select(t, 0, rows, out=payload.view(t.dtype).view(len(rows), *t.shape[1:]))
+                shape = (len(rows), *t.shape[1:])
+                if out is None:
+                    piece = torch.index_select(t, 0, rows)
+                else:
+                    size = t.element_size() * int(t[0].numel()) * len(rows)
+                    piece = out[offset:offset + size].view(t.dtype).view(shape)
+                    torch.index_select(t, 0, rows, out=piece)
+                    offset += size
                 if null.any():  # zeros, not whatever KV the given-back block holds now
-                    payload.view(len(positions), -1)[null] = 0
-                offset += size
-        return memoryview(out.numpy())
+                    piece.view(torch.uint8).view(len(positions), -1)[null] = 0
+                pieces.append(piece)
+        return pieces
 
     def export_size(self, num_blocks: int) -> int:
-        return sum(t.element_size() * int(t[0].numel()) * per_block * num_blocks
+        return sum(t.element_size() * math.prod(self.wire_shape(t)) * per_block * num_blocks
                    for layer in self.kv_caches for t, per_block in self.block_tensors(layer))
+
+    def wire_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        """A row of block tensor t as a payload holds it: [KV heads, ...] (all of the model's, whoever stores them)."""
+        return tuple(t.shape[1:])
 
     @torch.inference_mode()
     def import_blocks(self, positions: list[tuple[int, ...]], data: bytes | memoryview, num_blocks: int,
                       first: int = 0) -> None:
         """Writes block positions first..first+len(positions) of the num_blocks export_blocks put in data into
         these (each group's block; none where a sliding group's is NULL_BLOCK)."""
+        if self.tails is not None:
+            self.tails.release(held(positions))
+        self.scatter_blocks(positions, self._pieces(data, num_blocks), first)
+
+    def _pieces(self, data: bytes | memoryview, num_blocks: int) -> list[torch.Tensor]:
+        """A payload of num_blocks positions as the pieces gather_blocks made (views, no copy)."""
         if len(data) != self.export_size(num_blocks):
             raise ValueError(f"KV data of {len(data)} bytes for {num_blocks} blocks; expected "
                              f"{self.export_size(num_blocks)} (another model, block size or KV format?)")
-        if self.tails is not None:
-            self.tails.release(held(positions))
         with warnings.catch_warnings():  # read only, never written: no writable copy needed
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             raw, offset = torch.frombuffer(data, dtype=torch.uint8), 0
-        ids = self._group_ids(positions)
+        pieces = []
+        for layer in self.kv_caches:
+            for t, per_block in self.block_tensors(layer):
+                shape = self.wire_shape(t)
+                size = t.element_size() * math.prod(shape) * per_block * num_blocks
+                pieces.append(raw[offset:offset + size].view(stored(t.dtype)).view(per_block * num_blocks, *shape))
+                offset += size
+        return pieces
+
+    def scatter_blocks(self, positions: list[tuple[int, ...]], pieces: list[torch.Tensor], first: int = 0) -> None:
+        """Writes block positions first..first+len(positions) of pieces (gather_blocks' layout) into these."""
+        ids, pieces = self._group_ids(positions), iter(pieces)
         for layer, group in zip(self.kv_caches, self.group_of_layer, strict=True):
             kept = (ids[group] >= 0).nonzero().flatten()
             for t, per_block in self.block_tensors(layer):
                 rows = self._rows(ids[group][kept], per_block)
-                size = t.element_size() * int(t[0].numel()) * per_block * num_blocks
-                bits = torch.uint8 if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t.dtype  # no CPU fp8 index_copy_
-                chunk = raw[offset:offset + size].view(bits).view(num_blocks, per_block, *t.shape[1:])
-                t.view(bits).index_copy_(0, rows, chunk[first + kept].flatten(0, 1))
-                offset += size
+                piece = next(pieces).view(stored(t.dtype))
+                chunk = piece.view(-1, per_block, *t.shape[1:])[first + kept].flatten(0, 1)
+                t.view(stored(t.dtype)).index_copy_(0, rows, chunk)
 
     def _group_ids(self, positions: list[tuple[int, ...]]) -> list[torch.Tensor]:
         """Per KV cache group, its block id at each position."""
@@ -273,3 +306,8 @@ def sharing(storage: LayerKVCache, fmt: KVFormat, num_kv_heads: int, head_dim: i
     if fmt.per_token_scale:
         layer.k_scale, layer.v_scale = storage.k_scale, storage.v_scale
     return layer
+
+
+def stored(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to copy a KV tensor's bytes as: CPU index_copy_ has no fp8 kernel."""
+    return torch.uint8 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype

@@ -10,7 +10,6 @@ from types import FrameType
 import uvicorn
 
 from pagedserve.config import EngineConfig, parse_size
-from pagedserve.distributed.executor import NO_KV_TRANSFER
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.server.admission import AdmissionConfig, AdmissionController, parse_degrade, parse_shed_after
 from pagedserve.server.kv_transfer import Disaggregation
@@ -32,8 +31,6 @@ def build_state(args: argparse.Namespace) -> ServerState:
     if args.kv_role is not None and peer_key is None:
         raise SystemExit("--kv-role needs the cluster secret (--cluster-secret-file or $PAGEDSERVE_CLUSTER_SECRET): "
                          "only the cluster's own router and workers may send KV-transfer requests")
-    if args.kv_role is not None and args.tensor_parallel_size > 1:
-        raise SystemExit(NO_KV_TRANSFER)
     if not 0 <= args.kv_lease_max_fraction <= 1:
         raise SystemExit("--kv-lease-max-fraction is a fraction of the KV pool, between 0 and 1")
     if args.kv_transport == "ray" and not args.ray_address:
