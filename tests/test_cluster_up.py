@@ -178,3 +178,24 @@ def check_hostile_client(url: str, replicas: list[dict]) -> None:
 def test_cluster_up_disaggregated_against_a_hostile_client(tmp_path):
     run_cluster(tmp_path, ["--prefill", "1", "--decode", "1", "--dtype", "float32"], startup=240,
                 check=check_hostile_client)
+
+
+def check_disaggregated_tensor_parallel(url: str, replicas: list[dict]) -> None:
+    """Both replicas split over two ranks: the prefill worker's ranks gather their heads' shares into one
+    payload, the decode worker's ranks each write theirs, and the answer is the prefill worker's own."""
+    by_role = {r["kv_role"]: r["url"] for r in replicas}
+    prompt = "Tensor parallel workers hand over their blocks one head share at a time, then decode on. " * 16  # > 256
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=16, temperature=0)
+    assert answer.usage.prompt_tokens_details.cached_tokens >= 256  # the decode worker read the moved blocks
+    assert metric_sum(by_role["decode"], "pagedserve_kv_transfer_blocks_total", direction="in") >= 16
+    assert metric_sum(by_role["decode"], "pagedserve_kv_transfer_failures_total") == 0
+    plain = httpx.post(by_role["prefill"] + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 16, "temperature": 0}).json()
+    assert answer.choices[0].text == plain["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_cluster_up_disaggregated_tensor_parallel(tmp_path):
+    run_cluster(tmp_path, ["--prefill", "1", "--decode", "1", "--dtype", "float32", "--tensor-parallel-size", "2",
+                           "--cpu-binding", "none"], startup=300, check=check_disaggregated_tensor_parallel)
