@@ -279,3 +279,41 @@ def test_models_and_metrics_name_the_scheme_and_kernel_over_http(checkpoints):
     info = next(s.labels for f in text_string_to_metric_families(metrics) for s in f.samples
                 if s.name == "pagedserve_model_info")
     assert (info["quantization"], info["quant_kernel"]) == (card["quantization"], card["quant_kernel"])
+
+
+@pytest.mark.slow
+def test_checkpoints_split_over_two_ranks(checkpoints, monkeypatch):
+    """TP=2 over every scheme: weight-only and FP8 weights (values split by rows or columns, each output channel's
+    scale with its row) give TP=1's greedy tokens and logits in fp32 on the dequantizing path (the integer decode
+    kernel scales its int16 activations per row, which a split moves in the last bits). W8A8 is not token for token: a row-parallel
+    projection quantizes each rank's share of a token with its own scale (as vLLM's does), so TP=2 is another
+    rounding of the same activations, as close to the float model as TP=1 is."""
+    import statistics
+
+    from pagedserve import LLM, SamplingParams
+    from tests.test_tensor_parallel import FP32, assert_same_run, greedy_run
+
+    text = ["The history of the Roman empire, told briefly for a curious child who likes battles: the legions",
+            "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"]
+    teacher = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(llm: LLM) -> list[float]:
+        return [next(iter(lp.values())).logprob for o in llm.generate(text, teacher) for lp in o.prompt_logprobs[1:]]
+
+    monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", "torch")  # the workers read it as they start
+    base = logprobs(LLM(**FP32))
+    for scheme in SCHEMES:
+        args = {**FP32, "model": str(checkpoints / scheme)}
+        tp1 = LLM(**args)
+        prompts = [tp1.tokenizer.encode(t) for t in text]
+        tp2 = LLM(tensor_parallel_size=2, **args)
+        try:
+            if scheme == "w8a8-int":
+                ours, whole = logprobs(tp2), logprobs(tp1)
+                bound = 0.15 * statistics.pstdev(base)
+                error = statistics.mean(abs(a - b) for a, b in zip(ours, base, strict=True))
+                assert error < bound and statistics.mean(abs(a - b) for a, b in zip(whole, base, strict=True)) < bound
+            else:
+                assert_same_run(greedy_run(tp2, prompts), greedy_run(tp1, prompts))
+        finally:
+            tp2.engine.workers.close()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedserve.distributed.split import RankShard, columns_of, gate_up_rows, qkv_rows, rows_of
+from pagedserve.model.fp8_linear import FP8Linear, FP8Weight
 from pagedserve.model.linear import Linear
 from pagedserve.model.models.moe import SparseMoE, padded
 from pagedserve.model.quant import QuantizedWeight
@@ -69,11 +70,16 @@ class ParallelLMHead(nn.Module):
         return self.comm.all_gather(self.inner(hidden).contiguous(), self.sizes)
 
 
-def linear_of(module: nn.Module, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
-    """A layer of module's kind over weight (float or quantized)."""
+def linear_of(module: nn.Module, weight: torch.Tensor | QuantizedWeight | FP8Weight,
+              bias: torch.Tensor | None) -> nn.Module:
+    """A layer of module's kind over weight (float, quantized or FP8)."""
     bias_param = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
     if isinstance(weight, QuantizedWeight):
         return QuantLinear(weight, bias_param)
+    if isinstance(weight, FP8Weight):
+        layer = FP8Linear(weight, bias_param)
+        layer.weight.data = layer.weight.data.to(module.weight.dtype)  # the values, in the model's dtype (exact)
+        return layer
     n, k = weight.shape
     layer = Linear(k, n, bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -81,17 +87,24 @@ def linear_of(module: nn.Module, weight: torch.Tensor | QuantizedWeight, bias: t
     return layer
 
 
-def weight_of(module: nn.Module) -> torch.Tensor | QuantizedWeight:
+def weight_of(module: nn.Module) -> torch.Tensor | QuantizedWeight | FP8Weight:
+    if isinstance(module, FP8Linear):  # its e4m3 values, exact in any float dtype, and its output scales
+        return FP8Weight(module.weight.detach().to(torch.float8_e4m3fn), module.scales, module.source)
     return module.qweight if isinstance(module, QuantLinear | QuantEmbedding) else module.weight.detach()
 
 
+def bias_of(module: nn.Module) -> torch.Tensor | None:
+    bias = module.bias_after_scale if isinstance(module, FP8Linear) else module.bias
+    return None if bias is None else bias.detach()
+
+
 def column_parallel(module: nn.Module, rows: torch.Tensor) -> nn.Module:
-    bias = None if module.bias is None else module.bias.detach()[rows]
-    return linear_of(module, rows_of(weight_of(module), rows), bias)
+    bias = bias_of(module)
+    return linear_of(module, rows_of(weight_of(module), rows), None if bias is None else bias[rows])
 
 
 def row_parallel(module: nn.Module, cols: range, comm: Any) -> RowParallelLinear:
-    if module.bias is not None:
+    if bias_of(module) is not None:
         raise ValueError("a row-parallel projection with a bias is not supported")
     return RowParallelLinear(linear_of(module, columns_of(weight_of(module), cols), None), comm)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pagedserve.model.fp8_linear import FP8Weight
 from pagedserve.model.model_config import ModelConfig
 from pagedserve.model.quant import GGUF_BLOCK, QuantizedWeight
 
@@ -97,12 +98,17 @@ def gate_up_rows(shard: RankShard, config: ModelConfig) -> torch.Tensor:
     return torch.cat([cols, config.intermediate_size + cols])
 
 
-def rows_of(w: torch.Tensor | QuantizedWeight, index: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+def rows_of(w: torch.Tensor | QuantizedWeight | FP8Weight, index: torch.Tensor) -> torch.Tensor | QuantizedWeight | FP8Weight:
+    if isinstance(w, FP8Weight):
+        return FP8Weight(w.qweight[index].contiguous(), w.scales[index].contiguous(), w.source)
     return w.rows(index) if isinstance(w, QuantizedWeight) else w[index].contiguous()
 
 
-def columns_of(w: torch.Tensor | QuantizedWeight, cols: range) -> torch.Tensor | QuantizedWeight:
-    """The input columns cols of w [N, K]; a quantized weight only along whole groups."""
+def columns_of(w: torch.Tensor | QuantizedWeight | FP8Weight, cols: range) -> torch.Tensor | QuantizedWeight | FP8Weight:
+    """The input columns cols of w [N, K]; a quantized weight only along whole groups; an FP8 one keeps its
+    output scales whole (one per output row)."""
+    if isinstance(w, FP8Weight):
+        return FP8Weight(w.qweight[:, cols.start:cols.stop].contiguous(), w.scales, w.source)
     if not isinstance(w, QuantizedWeight):
         return w[:, cols.start:cols.stop].contiguous()
     n, k = w.shape
