@@ -369,6 +369,27 @@ def test_draft_model_of_the_same_model_accepts_everything_greedy(expected):
 
 
 @pytest.mark.slow
+def test_draft_model_caches_prefixes_of_the_targets_tokens_only(expected, small_draft):
+    """The draft's pool caches prefixes: the same prompts again start their shadows from cached blocks, and every
+    hashed block holds the target's tokens (a rejected proposal's KV is never found by another request)."""
+    spec = {**same_model_draft(), "model": small_draft}  # a smaller draft: many proposals are rejected
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", speculative_config=spec)
+    draft = llm.engine.proposer.method
+    prompts, want = [QUOTING[1], OPEN[0]], [expected[1], expected[3]]
+    outs = llm.generate(prompts, GREEDY)
+    assert token_ids(outs) == want and draft.kv.hit_tokens == 0
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # some proposals rejected
+    assert token_ids(llm.generate(prompts, GREEDY)) == want
+    bs = draft.kv.block_size
+    assert draft.kv.hit_tokens >= sum((len(o.prompt_token_ids) - 1) // bs * bs for o in outs)
+    sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    target_blocks = {tuple(seq[i:i + bs]) for seq in sequences for i in range(0, len(seq) - bs + 1, bs)}
+    hashed = [b.token_ids for b in draft.kv.blocks if b.token_ids is not None]
+    assert hashed and all(tokens in target_blocks for tokens in hashed)
+
+
+@pytest.mark.slow
 def test_draft_model_sampled_drafts(base_llm, monkeypatch):
     # The draft samples from q processed as the target's p (penalties, top-k/top-p, bans, grammar mask), so a
     # draft of the same model has q == p up to rounding and min(1, p/q) accepts nearly every proposal; greedy

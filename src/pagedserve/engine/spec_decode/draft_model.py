@@ -4,7 +4,9 @@ pool, runner and block tables.
 Each running request has a shadow request in the draft's pool. Before proposing, the shadow keeps the longest
 prefix of its computed tokens that the target's sequence still has (the accepted proposals; the rejected ones'
 blocks go back), then computes the rest (the target's new tokens) in one chunk per request and draws the first
-proposal; k - 1 decode steps draw the others. All shadows of a step go through each forward pass together.
+proposal; k - 1 decode steps draw the others. The draft's pool caches prefixes as the target's does: a new shadow
+starts from the longest cached prefix of its prompt, and a shadow's full blocks are hashed only once they hold
+the target's tokens (at the next sync), so a proposal's KV is never found by another request. All shadows of a step go through each forward pass together.
 
 A shadow carries its request's sampling parameters, seed and output, and a copy of its grammar matcher fed the
 proposals, so each proposal is drawn as the target's sampler would draw it (penalties, bias, grammar mask,
@@ -50,7 +52,7 @@ class DraftModelProposer:
         fmt = resolve_kv_format("auto", dtype)
         num_blocks = parse_size(config.draft_kv_cache_memory) // ModelRunner.bytes_per_block(loaded.config, fmt,
                                                                                              block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.kv = KVCacheManager(num_blocks, block_size)
         self.runner = ModelRunner(model, loaded.config, fmt, num_blocks, block_size, max_num_seqs=max_num_seqs)
         self.shadows: dict[str, Request] = {}
 
@@ -75,7 +77,12 @@ class DraftModelProposer:
         active = []
         for i, (req, state, k) in enumerate(items):
             shadow = self._sync(req, state)
-            if self.kv.allocate_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k):
+            cached = [] if shadow.request_id in self.kv.req_blocks else self.kv.find_cached_prefix(shadow)
+            hit = len(cached) * self.kv.block_size
+            if shadow.request_id not in self.kv.req_blocks:
+                self.kv.record_prefix_query(shadow.num_prompt_tokens, hit)
+            if self.kv.allocate_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens - hit + k, cached):
+                shadow.num_computed_tokens += hit
                 active.append((i, shadow, k))
         for j in range(max((k for _, _, k in active), default=0)):
             active = [(i, shadow, k) for i, shadow, k in active if k > j]
@@ -124,5 +131,7 @@ class DraftModelProposer:
         shadow.num_computed_tokens = same
         shadow.matcher = req.matcher.deep_copy() if req.matcher is not None else None
         state.synced = req.num_tokens
+        if shadow.request_id in self.kv.req_blocks:  # only the target's own tokens are hashed, never a proposal
+            self.kv.cache_full_blocks(shadow)
         self.kv.trim(shadow)
         return shadow
