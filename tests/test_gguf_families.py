@@ -118,3 +118,31 @@ def test_unsupported_gguf_architectures_are_named():
         gguf_family("phi3")
     with pytest.raises(ValueError, match="'qwen3' with 4 experts"):
         gguf_family("qwen3", 4)
+
+
+def test_a_tensor_of_the_wrong_rank_is_named(tmp_path, tokenizer_files):
+    """A 3-D tensor where a matrix belongs (or an expert stack of 2 dimensions) is refused, naming it."""
+    import gguf
+    import numpy as np
+
+    from pagedserve.model.loader import load_model
+
+    _, path = convert(*MODELS["qwen3"], tmp_path, tokenizer_files)
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "qwen3")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name == "blk.0.attn_q.weight":
+            data = np.stack([data, data])
+        writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight.*at most 2 dimensions"):
+        load_model(str(tmp_path / "bad.gguf"))

@@ -235,6 +235,9 @@ def gguf_tensors(t, name: str, keep_quantized: bool) -> list[tuple[str, torch.Te
     weight per expert, as HF checkpoints name them. keep_quantized: the types that run as stored stay so."""
     shape = tuple(int(d) for d in reversed(t.shape))
     experts = shape[0] if len(shape) == 3 else None
+    if (experts is not None) != ("{e}" in name) or len(shape) > 3:
+        raise ValueError(f"GGUF tensor {t.name!r} has shape {list(shape)}: expected "
+                         f"{'[experts, rows, columns]' if '{e}' in name else 'at most 2 dimensions'}")
     if keep_quantized and t.tensor_type.name in GGUF_TYPES:
         if experts is None:
             return [(name, from_gguf(t.data, t.tensor_type.name, shape))]
