@@ -39,6 +39,23 @@ def reference_prompts() -> list[list[int]]:
     return chats + plain
 
 
+@pytest.fixture
+def quant_kernel(monkeypatch):
+    """force(name): PAGEDSERVE_QUANT_KERNEL for the rest of the test, here and in the processes it spawns (None:
+    back to the default). kernel_path caches its answer: cleared at each change and after the test."""
+    from pagedserve.model.quant_linear import kernel_path
+
+    def force(name: str | None) -> None:
+        if name is None:
+            monkeypatch.delenv("PAGEDSERVE_QUANT_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", name)
+        kernel_path.cache_clear()
+
+    yield force
+    force(None)
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     from pagedserve.bench.hf_peer import load

@@ -282,7 +282,7 @@ def test_models_and_metrics_name_the_scheme_and_kernel_over_http(checkpoints):
 
 
 @pytest.mark.slow
-def test_checkpoints_split_over_two_ranks(checkpoints, monkeypatch):
+def test_checkpoints_split_over_two_ranks(checkpoints, quant_kernel):
     """TP=2 over every scheme: weight-only and FP8 weights (values split by rows or columns, each output channel's
     scale with its row) give TP=1's greedy tokens and logits in fp32 on the dequantizing path (the integer decode
     kernel scales its int16 activations per row, which a split moves in the last bits). W8A8 is not token for token: a row-parallel
@@ -300,7 +300,7 @@ def test_checkpoints_split_over_two_ranks(checkpoints, monkeypatch):
     def logprobs(llm: LLM) -> list[float]:
         return [next(iter(lp.values())).logprob for o in llm.generate(text, teacher) for lp in o.prompt_logprobs[1:]]
 
-    monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", "torch")  # the workers read it as they start
+    quant_kernel("torch")  # the workers read it as they start
     base = logprobs(LLM(**FP32))
     for scheme in SCHEMES:
         args = {**FP32, "model": str(checkpoints / scheme)}

@@ -79,7 +79,7 @@ def test_gguf_matches_transformers(name, tmp_path, tokenizer_files):
 
 
 @pytest.mark.parametrize("name", list(ALIGNED))  # Q8_0 needs rows of whole 32-value blocks
-def test_q8_0_experts_run_as_stored(name, tmp_path, tokenizer_files, monkeypatch):
+def test_q8_0_experts_run_as_stored(name, tmp_path, tokenizer_files, quant_kernel):
     """--quantization gguf keeps each expert's Q8_0 blocks and runs the chosen experts' integer GEMMs: the tokens
     equal those of the same blocks dequantized in PyTorch and of the file loaded dequantized, and the prompts'
     logprobs stay close to transformers' on the float model the file was made from (Q8_0 rounding)."""
@@ -93,9 +93,9 @@ def test_q8_0_experts_run_as_stored(name, tmp_path, tokenizer_files, monkeypatch
     assert {w.source for m in moes for pair in m.quantized for w in pair} == {"Q8_0"}
     prompts = [stored.tokenizer.encode(p) for p in PROMPTS]
     got = greedy(stored, prompts)
-    monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", "torch")
+    quant_kernel("torch")
     assert greedy(stored, prompts) == got
-    monkeypatch.delenv("PAGEDSERVE_QUANT_KERNEL")
+    quant_kernel(None)
     assert greedy(LLM(str(path), dtype="float32", kv_cache_memory="8MiB"), prompts) == got
     # Teacher-forced on the prompts, close to the float model (a misplaced expert is not).
     outs = stored.generate([{"prompt_token_ids": p} for p in prompts],

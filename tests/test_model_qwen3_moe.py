@@ -230,7 +230,7 @@ ALIGNED = {
 
 
 @pytest.mark.parametrize("name", list(ALIGNED))
-def test_quantized_experts_run_their_own_gemms(name, tmp_path, monkeypatch):
+def test_quantized_experts_run_their_own_gemms(name, tmp_path, quant_kernel):
     """--quantization int8 / int4 on a mixture of experts: the experts are quantized like the dense projections (the
     routers stay float) and each chosen expert runs its quantized GEMMs. The kernels' tokens equal the same
     quantized weights run dequantized in PyTorch (fp32), int8 stays close to the float model, and the resident
@@ -247,9 +247,9 @@ def test_quantized_experts_run_their_own_gemms(name, tmp_path, monkeypatch):
         assert all(type(m.gate) is Linear for m in moes)  # the router stays float
         assert llm.engine.weight_bytes < float_llm.engine.weight_bytes / (2.5 if mode == "int8" else 3)
         got = run(llm, prompts)
-        monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", "torch")
+        quant_kernel("torch")
         assert run(llm, prompts) == got  # the same quantized weights, dequantized in PyTorch
-        monkeypatch.delenv("PAGEDSERVE_QUANT_KERNEL")
+        quant_kernel(None)
         if mode == "int8":  # teacher-forced on the prompts: close to the float model (a misplaced expert is not)
             ours, ref = prompt_logprobs(llm), prompt_logprobs(float_llm)
             error = statistics.mean(abs(a - b) for a, b in zip(ours, ref, strict=True))

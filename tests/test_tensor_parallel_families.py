@@ -69,12 +69,12 @@ def test_tp2_matches_tp1_with_an_adapter(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_tp2_splits_quantized_experts(family, tmp_path, monkeypatch):
+def test_tp2_splits_quantized_experts(family, tmp_path, quant_kernel):
     """int8 experts split along their groups: each rank's part of every expert's rows and columns, the sum of
     the parts the whole product (the dequantizing path; the integer kernel quantizes each rank's activations)."""
     from pagedserve.model.models.moe import SparseMoE
 
-    monkeypatch.setenv("PAGEDSERVE_QUANT_KERNEL", "torch")  # the workers read it as they start
+    quant_kernel("torch")  # the workers read it as they start
     family_model(family).save_pretrained(tmp_path)
     byte_tokenizer(tmp_path)
     args = {"model": str(tmp_path), "quantization": "int8", **FP32}
