@@ -1,4 +1,4 @@
-"""Measured step costs for the per-step decision which proposals pay (the rule: proposer.py's docstring)."""
+"""Measured step costs for the per-step decision whether proposals pay (the rule: proposer.py's docstring)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,24 +53,13 @@ class StepCosts:
     def record_proposal(self, seconds: float) -> None:
         self.propose_s += WEIGHT * (seconds - self.propose_s)
 
-    def choose(self, batch: int, candidates: list[tuple[int, float]]) -> int:
-        """How many of the candidates (each proposing request's added rows and expected accepted tokens, the most
-        tokens per row first) to verify in a step over batch requests: the count whose step yields the most tokens
-        per second, 0 where a plain decode step yields more. Unmeasured: all of them (and measure). Every so often
-        the other way (all or none), so that neither fit goes stale."""
+    def pays(self, batch: int, added_rows: int, extra_tokens: float) -> bool:
+        """Whether a step over batch requests with added_rows proposals, expected to accept extra_tokens of
+        them, yields more tokens per second than a plain decode step. Unmeasured: yes (and measure)."""
         self.steps += 1
-        t_decode = self.decode.predict(batch)
-        measured = t_decode is not None
-        best, best_rate, rows, extra = 0, batch / t_decode if measured and t_decode > 0 else 0.0, 0, 0.0
-        for n, (added, expected) in enumerate(candidates, start=1):
-            rows, extra = rows + added, extra + expected
-            t_verify = self.verify.predict(batch + rows)
-            if t_verify is None:
-                measured = False
-                break
-            if (rate := (batch + extra) / max(t_verify + self.propose_s, 1e-9)) > best_rate:
-                best, best_rate = n, rate
-        chosen = best if measured else len(candidates)
+        t_decode, t_verify = self.decode.predict(batch), self.verify.predict(batch + added_rows)
+        measured = t_decode is not None and t_verify is not None
+        decision = not measured or (batch + extra_tokens) * t_decode > batch * (t_verify + self.propose_s)
         if self.steps % (EXPLORE_EVERY if measured else WARM_UP_EVERY) == 0:
-            chosen = 0 if chosen else len(candidates)
-        return chosen
+            decision = not decision  # one step the other way: its fit would otherwise go stale
+        return decision

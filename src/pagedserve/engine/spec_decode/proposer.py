@@ -14,9 +14,7 @@ per step for an acceptance rate a. Speculation pays while E > c, so:
   them (on CPU these also leave the C++ decode stack). With B running requests, proposals adding K rows and
   X = sum of a + a^2 + ... + a^k over the proposing requests (the accepted tokens expected), a step proposes
   only while (B + X) / (t_verify(B + K) + t_propose) > B / t_decode(B), tokens per second; when all B propose
-  k, that is E * t_decode(B) > t_verify(B * (1 + k)) + t_propose for E = 1 + X / B. The decision is per
-  request: candidates go in order of expected tokens per verified row (a request quoting its context before one
-  in open chat), and the step proposes for the count of them that maximizes its tokens per second. t_propose is the proposer's
+  k, that is E * t_decode(B) > t_verify(B * (1 + k)) + t_propose for E = 1 + X / B. t_propose is the proposer's
   own time per step (the draft model's k passes). Until both fits have 4 steps it proposes, but every 8th step
   goes without; after that every 32nd step goes the other way, so that neither fit goes stale. A large batch
   stops being weight-bound, t_verify grows towards (1 + k) t_decode and proposals stop; a one-stream step over
@@ -96,10 +94,8 @@ class Proposer:
             k = min(self.k, req.max_tokens - req.num_output_tokens - 1)  # the target's own token comes on top
             if k > 0:
                 items.append((req, state.index, k))
-        if limit is None:  # the requests whose proposals pay, the most expected tokens per verified row first
-            items.sort(key=lambda item: -expected_tokens(item[0], item[2]) / item[2])
-            items = items[:self.costs.choose(len(running), [(k, expected_tokens(req, k)) for req, _, k in items])]
-        if not items:
+        if not items or limit is None and not self.costs.pays(len(running), sum(k for _, _, k in items),
+                                                              extra_tokens(items)):
             return
         start = time.perf_counter()
         if isinstance(self.method, DraftModelProposer):
@@ -111,9 +107,9 @@ class Proposer:
         self.costs.record_proposal(time.perf_counter() - start)
 
 
-def expected_tokens(req: Request, k: int) -> float:
-    """Accepted proposals expected of k: a + ... + a^k, a the request's acceptance average."""
-    return sum(req.spec_state.acceptance ** j for j in range(1, k + 1))
+def extra_tokens(items: list[tuple[Request, object, int]]) -> float:
+    """Accepted proposals expected in a step: a + ... + a^k per request, a its acceptance average."""
+    return sum(sum(req.spec_state.acceptance ** j for j in range(1, k + 1)) for req, _, k in items)
 
 
 def draft_probs(req: Request) -> torch.Tensor | None:
