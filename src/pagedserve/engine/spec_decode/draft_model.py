@@ -4,9 +4,10 @@ pool, runner and block tables.
 Each running request has a shadow request in the draft's pool. Before proposing, the shadow keeps the longest
 prefix of its computed tokens that the target's sequence still has (the accepted proposals; the rejected ones'
 blocks go back), then computes the rest (the target's new tokens) in one chunk per request and draws the first
-proposal; k - 1 decode steps draw the others. The draft's pool caches prefixes as the target's does: a new shadow
-starts from the longest cached prefix of its prompt, and a shadow's full blocks are hashed only once they hold
-the target's tokens (at the next sync), so a proposal's KV is never found by another request. All shadows of a step go through each forward pass together.
+proposal; k - 1 decode steps draw the others. All shadows of a step go through each forward pass together. The
+draft's pool caches prefixes as the target's does: a new shadow starts from the longest cached prefix of its
+prompt, and a shadow's full blocks are hashed only once they hold the target's tokens (at the next sync), so a
+proposal's KV is never found by another request.
 
 A shadow carries its request's sampling parameters, seed and output, and a copy of its grammar matcher fed the
 proposals, so each proposal is drawn as the target's sampler would draw it (penalties, bias, grammar mask,
@@ -77,9 +78,10 @@ class DraftModelProposer:
         active = []
         for i, (req, state, k) in enumerate(items):
             shadow = self._sync(req, state)
-            cached = [] if shadow.request_id in self.kv.req_blocks else self.kv.find_cached_prefix(shadow)
+            new = shadow.request_id not in self.kv.req_blocks
+            cached = self.kv.find_cached_prefix(shadow) if new else []
             hit = len(cached) * self.kv.block_size
-            if shadow.request_id not in self.kv.req_blocks:
+            if new:
                 self.kv.record_prefix_query(shadow.num_prompt_tokens, hit)
             if self.kv.allocate_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens - hit + k, cached):
                 shadow.num_computed_tokens += hit

@@ -96,6 +96,10 @@ class SparseMoE(nn.Module):
         h, i, pi = self.hidden, self.inter, padded(self.inter)
         self.quantized = [(quantize(torch.cat([self.w13[e, :h, :i].T, self.w13[e, :h, pi:pi + i].T]), mode, group),
                            quantize(self.w2[e, :i, :h].T, mode, group)) for e in range(self.num_experts)]
+        self._drop_float_experts()
+
+    def _drop_float_experts(self) -> None:
+        """Once the experts run quantized, their float copies are freed."""
         self.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0), requires_grad=False)
 
@@ -106,8 +110,7 @@ class SparseMoE(nn.Module):
         if all(isinstance(w, QuantizedWeight) for w in (*gate, *up, *down)):
             self._check_shapes(gate, up, down)
             self.quantized = [(QuantizedWeight.cat([g, u]), d) for g, u, d in zip(gate, up, down, strict=True)]
-            self.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
-            self.w2 = nn.Parameter(torch.empty(0), requires_grad=False)
+            self._drop_float_experts()
             return
         gate, up, down = ([w.dequantize() if isinstance(w, QuantizedWeight) else w for w in ws] for ws in (gate, up, down))
         self._check_shapes(gate, up, down)
